@@ -1,0 +1,3 @@
+"""Offline batch inference for large language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The inference engine: scheduler, paged KV cache with prefix reuse, runner and sampler."""

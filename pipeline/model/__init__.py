@@ -1,0 +1,1 @@
+"""Llama-family decoder, its configuration, loaders and quantized linears."""

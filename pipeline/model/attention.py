@@ -1,0 +1,62 @@
+"""The one attention interface the model calls, and a contiguous-cache implementation.
+
+The model computes q/k/v and applies RoPE; where keys and values live (a contiguous per-sequence
+cache here, the engine's paged block pool elsewhere) is the backend's business. Every backend
+ends in `causal_attention` for one sequence, so they agree numerically.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k/v [T, Hkv, D] for `layer` and return attention output [T, Hq, D]."""
+        ...
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float
+) -> torch.Tensor:
+    """Attention of one sequence's queries q [n, Hq, D] (positions q_start..q_start+n-1) over its
+    keys/values k, v [L, Hkv, D] (positions 0..L-1). Softmax in float32; matmuls in the input dtype.
+
+    A plain matmul-softmax-matmul: on CPU it is several times faster than bf16 SDPA (see DESIGN.md).
+    """
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    # [Hkv, group*n, D] so one batched matmul per KV head serves its whole query group.
+    qg = q.reshape(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+    kt = k.permute(1, 2, 0)  # [Hkv, D, L]
+    scores = torch.matmul(qg, kt).float() * scale  # [Hkv, group*n, L]
+    length = k.shape[0]
+    if n > 1 or q_start + n < length:
+        q_pos = torch.arange(q_start, q_start + n, device=q.device).repeat(group)
+        mask = torch.arange(length, device=q.device)[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, group*n, D]
+    return out.reshape(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+
+
+class ContiguousKVCache:
+    """KV cache of a single sequence in growing per-layer tensors: for plain generation and tests."""
+
+    def __init__(self, num_layers: int, scale: float):
+        self.scale = scale
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[0]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start = 0 if self.k[layer] is None else self.k[layer].shape[0]
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
+        return causal_attention(q, self.k[layer], self.v[layer], start, self.scale)

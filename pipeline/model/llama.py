@@ -1,0 +1,146 @@
+"""Llama-family decoder over a flat batch of tokens.
+
+`forward(input_ids [T], positions [T], attn)` returns hidden states [T, H]; `compute_logits` turns the
+rows that need sampling into logits. Sequences, caches and batching belong to the attention backend
+(`pipeline.model.attention`) and the engine, not to the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.model.attention import AttentionBackend
+from pipeline.model.config import ModelConfig
+from pipeline.model.layers import LMHead, ParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from pipeline.parallel import SINGLE, TPGroup
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = ParallelLinear(
+            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], 0, cfg.attention_bias, tp, dtype
+        )
+        self.o_proj = ParallelLinear(cfg.q_size, [cfg.hidden_size], 1, False, tp, dtype)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionBackend):
+        t = x.shape[0]
+        q_n, kv_n = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_n, kv_n, kv_n], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = attn.attend(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, q_n))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = ParallelLinear(cfg.hidden_size, [i, i], 0, cfg.mlp_bias, tp, dtype)
+        self.down_proj = ParallelLinear(i, [cfg.hidden_size], 1, cfg.mlp_bias, tp, dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp, dtype)
+
+    def forward(self, x, positions, rope, attn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint names (Hugging Face convention) of the parts fused into one module, with their part index.
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        cfg.check_tensor_parallel(tp.size)
+        self.config = cfg
+        self.tp = tp
+        self.dtype = dtype
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = cfg.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the given rows of hidden states."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (name, full tensor) pairs in Hugging Face naming; each module keeps its own shard.
+
+        Raises KeyError naming any checkpoint tensor the model does not know, and ValueError listing the
+        model weights the checkpoint did not provide.
+        """
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, full in tensors:
+            name = name.removeprefix("model.")
+            if name.startswith("lm_head."):
+                self.lm_head.load(full.to(self.dtype) if isinstance(full, torch.Tensor) else full)
+                seen.add("lm_head.weight")
+                continue
+            if name == "embed_tokens.weight":
+                params[name].data.copy_(full)
+                seen.add(name)
+                if self.config.tie_word_embeddings:
+                    self.lm_head.load(full.to(self.dtype))
+                    seen.add("lm_head.weight")
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, short = module_path.rpartition(".")
+            shard_id = 0
+            if short in _FUSED:
+                fused, shard_id = _FUSED[short]
+                module_path = f"{parent}.{fused}"
+            module = modules.get(module_path)
+            if isinstance(module, ParallelLinear):
+                module.load(full, shard_id, is_bias=leaf == "bias")
+                seen.add(f"{module_path}.{leaf}")
+            elif name in params:
+                params[name].data.copy_(full)
+                seen.add(name)
+            else:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the Llama model")
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
