@@ -8,7 +8,10 @@ plan is deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def prefix_order(token_seqs: Sequence[Sequence[int]]) -> list[int]:
@@ -33,3 +36,29 @@ def unique_prefix_tokens(token_seqs: Sequence[Sequence[int]]) -> int:
         total += len(seq) - common_prefix_len(prev, seq)
         prev = seq
     return total
+
+
+def ordered_windows(
+    items: Iterable[T], tokens: Callable[[T], Sequence[int]], window_rows: int, sort: bool = True
+) -> Iterator[list[T]]:
+    """Cut a stream into windows of at most `window_rows` items, each in prefix order when `sort`.
+
+    Memory stays bounded by one window whatever the input size; a window is the unit the prefix
+    lower bound and the ordering are computed over.
+    """
+    if window_rows < 1:
+        raise ValueError(f"plan.window_rows must be >= 1, got {window_rows}")
+    window: list[T] = []
+    for item in items:
+        window.append(item)
+        if len(window) == window_rows:
+            yield _ordered(window, tokens, sort)
+            window = []
+    if window:
+        yield _ordered(window, tokens, sort)
+
+
+def _ordered(window: list[T], tokens: Callable[[T], Sequence[int]], sort: bool) -> list[T]:
+    if not sort:
+        return window
+    return [window[i] for i in prefix_order([tokens(x) for x in window])]
