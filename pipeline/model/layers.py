@@ -134,10 +134,14 @@ class ParallelLinear(nn.Module):
         start, n = self.local_rows(shard_id)
         target.data.narrow(0, start, n).copy_(part)
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) on this rank's weight: the one step a quantized subclass replaces."""
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_dim == 0:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.linear(x, self.bias)
+        y = self.tp.all_reduce(self.linear(x, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,92 @@
+"""The shared weight-only storage format and its plain-torch reference (the ground truth for all kernels).
+
+A weight W [N, K] (out_features x in_features) is stored as
+- int4: `qweight` uint8 [N, K/2], byte j of a row holds k = 2j in its low nibble and k = 2j+1 in its high
+  nibble; `scales` and `mins` [N, K/G]; w = q * scale + min with q in 0..15 (asymmetric; GGUF Q4_1 as is,
+  Q4_0 with min = -8 * scale).
+- int8: `qweight` int8 [N, K]; `scales` [N, K/G]; w = q * scale (symmetric; G = K is per output channel).
+Scales and mins may be any float dtype; dequantization computes in float32 as `float(q) * scale + min`
+(a multiply, then an add: the same operations, in the same order, as the `gguf` package).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers in 0..15 -> uint8 [N, K/2] (even k in the low nibble)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even number of columns, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> uint8 [N, K] with values 0..15 (inverse of `pack_int4`)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def group_size_of(k: int, scales: torch.Tensor) -> int:
+    """Group size implied by K and the number of scale columns."""
+    groups = scales.shape[-1]
+    if groups == 0 or k % groups:
+        raise ValueError(f"{groups} scale groups do not divide K={k}")
+    return k // groups
+
+
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
+) -> torch.Tensor:
+    """float32 [N, K] weights from the stored format (see the module docstring)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    q = unpack_int4(qweight) if bits == 4 else qweight
+    g = group_size_of(q.shape[-1], scales)
+    w = q.float().unflatten(-1, (-1, g)).mul_(scales.float().unsqueeze(-1))  # in place: one float32 pass each
+    if mins is not None:
+        w.add_(mins.float().unsqueeze(-1))
+    return w.flatten(-2)
+
+
+def wq_matmul_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
+) -> torch.Tensor:
+    """y = x W^T computed in float32 from the dequantized weight, returned in x's dtype."""
+    return (x.float() @ dequantize(qweight, scales, mins, bits).T).to(x.dtype)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric int4 per group of `group_size` inputs -> (qweight, scales, mins) fp16.
+
+    Scale and min are rounded to float16 first and q is computed against the rounded values, so the
+    stored triple reproduces w within half a step of the stored scale.
+    """
+    n, k = w.shape
+    if k % group_size or group_size % 2:
+        raise ValueError(f"in_features {k} is not a multiple of the (even) group size {group_size}")
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scales = ((hi - lo) / 15).half()
+    mins = lo.half()
+    s = scales.float().unsqueeze(-1)
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round((wg - mins.float().unsqueeze(-1)) / safe).clamp(0, 15)
+    return pack_int4(q.reshape(n, k)), scales, mins
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric int8 (q in -127..127) per group (None: per output channel) -> (q, scales).
+
+    Scales are float32 per channel (N of them: negligible bytes) and float16 for smaller groups.
+    """
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    if k % g:
+        raise ValueError(f"in_features {k} is not a multiple of the group size {g}")
+    wg = w.float().reshape(n, k // g, g)
+    scales = (wg.abs().amax(-1) / 127).to(torch.float32 if g == k else torch.float16)
+    s = scales.float().unsqueeze(-1)
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(wg / safe).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scales

@@ -1,0 +1,73 @@
+"""Engine settings: KV budget, batching limits, prefix caching. Validated once, with errors naming the key."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: str | int, key: str = "kv_cache_memory") -> int:
+    """`2GiB`, `512MB`, `1e9` or an int -> bytes (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"engine.{key} must be a byte size like '2GiB' or an integer, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"engine.{key} must be a byte size like '2GiB' or '512MB', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"engine.{key} must be > 0 bytes, got {value!r}")
+    return n
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches and how much memory its KV cache may take.
+
+    max_model_len=None means the model's max positions (capped by what the KV cache can hold);
+    max_waiting=None means 4 x max_batch_size requests read ahead of the running batch.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: str | int = "1GiB"
+    max_batched_tokens: int = 512
+    max_batch_size: int = 64
+    max_model_len: int | None = None
+    prefix_caching: bool = True
+    device: str = "auto"
+    max_waiting: int | None = None
+    seed: int = 0  # seeds the generators of requests that carry no seed of their own
+    tensor_parallel: int = 1  # ranks the model is split across (pipeline/engine/tp_runner.py)
+
+    def __post_init__(self) -> None:
+        for key in ("block_size", "max_batched_tokens", "max_batch_size", "tensor_parallel"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"engine.{key} must be an integer >= 1, got {value!r}")
+        for key in ("max_model_len", "max_waiting"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"engine.{key} must be an integer >= 1 or null, got {value!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"engine.prefix_caching must be true or false, got {self.prefix_caching!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"engine.seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"engine.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        parse_bytes(self.kv_cache_memory)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)
+
+    @property
+    def waiting_window(self) -> int:
+        return self.max_waiting if self.max_waiting is not None else 4 * self.max_batch_size

@@ -1,0 +1,288 @@
+"""The engine loop: pull requests lazily, schedule, run the model, sample, yield finished results.
+
+`Engine(loaded_model, config).generate(requests)` keeps at most `config.waiting_window` requests read ahead
+of the running batch, so the input can be a stream larger than memory. Requests that cannot run (bad
+parameters, empty or too long prompts, unknown token ids) come back as `finish_reason="error"` results.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.kv_cache import KVCacheManager
+from pipeline.engine.request import Request, Result, SamplingParams
+from pipeline.engine.runner import build_batch, kv_bytes_per_block
+from pipeline.engine.sampler import sample
+from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.sequence import Sequence, Status, sample_seed
+from pipeline.engine.tp_runner import make_runner
+
+
+@dataclass
+class EngineStats:
+    """Counters of everything the engine did (cumulative over generate calls). Times in seconds."""
+
+    steps: int = 0
+    running_sum: int = 0  # sum over steps of sequences in the batch
+    steady_steps: int = 0  # steps taken while requests were still waiting (the batch could have been full)
+    steady_running_sum: int = 0
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (once per request)
+    cached_tokens: int = 0  # of those, served by the prefix cache at first admission
+    prefill_tokens: int = 0  # prompt positions run through the model (recomputation included)
+    decode_tokens: int = 0  # tokens sampled
+    computed_tokens: int = 0  # all positions run through the model
+    attention_pairs: int = 0  # (query, key) position pairs attended over (per layer and head)
+    preemptions: int = 0
+    evictions: int = 0  # cached blocks dropped to make room
+    held: int = 0  # admissions deferred to let a shared prefix finish first
+    model_time: float = 0.0
+    attention_time: float = 0.0  # part of model_time
+    sampling_time: float = 0.0
+    schedule_time: float = 0.0  # scheduling, batch building and result bookkeeping
+    total_time: float = 0.0
+
+    @property
+    def mean_running_batch(self) -> float:
+        return self.running_sum / self.steps if self.steps else 0.0
+
+    @property
+    def steady_mean_running_batch(self) -> float:
+        return self.steady_running_sum / self.steady_steps if self.steady_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["mean_running_batch"] = self.mean_running_batch
+        out["steady_mean_running_batch"] = self.steady_mean_running_batch
+        return out
+
+
+class Engine:
+    def __init__(self, loaded_model: Any, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = loaded_model.model
+        self.tokenizer = loaded_model.tokenizer
+        self.model_config = self.model.config
+        param = next(self.model.parameters())
+        self.device = param.device if config.device == "auto" else torch.device(config.device)
+        if self.device != param.device:
+            self.model.to(self.device)
+        block_bytes = kv_bytes_per_block(self.model, config.block_size)
+        num_blocks = config.kv_cache_bytes // block_bytes
+        capacity = num_blocks * config.block_size
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or min(max_pos, capacity)
+        if self.max_model_len > max_pos:
+            raise ValueError(f"engine.max_model_len={self.max_model_len} exceeds the model's {max_pos} positions")
+        if self.max_model_len > capacity:
+            raise ValueError(
+                f"engine.kv_cache_memory={config.kv_cache_memory!r} holds {capacity} tokens "
+                f"({num_blocks} blocks of {block_bytes} bytes), fewer than max_model_len={self.max_model_len}"
+            )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_batch_size)
+        self.runner = make_runner(self.model, num_blocks, config.block_size, self.device, config.tensor_parallel)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.stats = EngineStats()
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self._next_seq_id = 0
+        self._block_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    # -- public ---------------------------------------------------------------------------------------
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Yield one Result per sample of each request, in completion order."""
+        source = iter(requests)
+        exhausted = False
+        window = self.config.waiting_window
+        while True:
+            while not exhausted and len(self.scheduler.waiting) < window:
+                request = next(source, None)
+                if request is None:
+                    exhausted = True
+                    break
+                yield from self.add_request(request)
+            if not self.scheduler.has_work():
+                if exhausted:
+                    return
+                continue
+            yield from self.step()
+
+    def add_request(self, request: Request) -> list[Result]:
+        """Queue one request for the next steps; returns its error results if it cannot run (else [])."""
+        seq_or_error = self._intake(request)
+        if isinstance(seq_or_error, list):
+            return seq_or_error
+        self.scheduler.add(seq_or_error)
+        return []
+
+    def step(self) -> list[Result]:
+        """Run one scheduling step; returns the samples that finished in it."""
+        t0 = time.perf_counter()
+        stats = self.stats
+        work = self.scheduler.schedule()
+        if not work:
+            raise RuntimeError("scheduler found no work it could run although sequences are waiting")
+        if self.scheduler.waiting:
+            stats.steady_steps += 1
+            stats.steady_running_sum += len(work)
+        batch, samplers = build_batch(work, self.config.block_size, self._block_copies)
+        self._block_copies = []
+        t1 = time.perf_counter()
+        attention_before = self.runner.attn.attention_seconds
+        logits = self.runner.execute(batch)
+        t2 = time.perf_counter()
+        stats.attention_time += self.runner.attn.attention_seconds - attention_before
+        for seq, n in work:
+            stats.attention_pairs += n * seq.num_computed + n * (n + 1) // 2
+            stats.prefill_tokens += max(0, min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed)
+            seq.num_computed += n
+            self.kv.commit(seq)
+        stats.computed_tokens += batch.num_tokens
+        rows, samplers = self._fork_children(samplers)
+        t3 = time.perf_counter()
+        if len(rows) > logits.shape[0]:  # forked samples share their parent's row
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long))
+        sampled = sample(logits, samplers)
+        t4 = time.perf_counter()
+        finished = []
+        for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
+            if self._append(seq, token, logprobs):
+                self.scheduler.finish(seq)
+                finished.append(self._result(seq))
+        stats.decode_tokens += len(samplers)
+        stats.steps += 1
+        stats.running_sum += len(work)
+        stats.preemptions = self.scheduler.preemptions
+        stats.held = self.scheduler.held
+        stats.evictions = self.kv.evictions
+        t5 = time.perf_counter()
+        stats.model_time += t2 - t1
+        stats.sampling_time += t4 - t3
+        stats.schedule_time += (t1 - t0) + (t3 - t2) + (t5 - t4)
+        stats.total_time += t5 - t0
+        return finished
+
+    # -- requests in ----------------------------------------------------------------------------------
+    def _intake(self, request: Request) -> Sequence | list[Result]:
+        """A waiting Sequence for a valid request, else its error results."""
+        rid = getattr(request, "id", None)
+        sampling = getattr(request, "sampling", None)
+        try:
+            if isinstance(sampling, Mapping):
+                sampling = SamplingParams(**sampling)
+            elif not isinstance(sampling, SamplingParams):
+                raise ValueError(f"sampling must be SamplingParams or a mapping, got {type(sampling).__name__}")
+            problem = self._prompt_problem(getattr(request, "prompt_token_ids", None))
+            if sampling.n > self.config.max_batch_size:
+                problem = problem or f"n={sampling.n} exceeds engine.max_batch_size={self.config.max_batch_size}"
+        except (TypeError, ValueError) as exc:
+            sampling, problem = None, str(exc)
+        if problem:
+            self.stats.errors += 1
+            n = sampling.n if sampling is not None else 1
+            return [Result(rid, i, [], "", 0, 0, 0, "error", error=f"request {rid!r}: {problem}") for i in range(n)]
+        prompt = list(request.prompt_token_ids)
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(prompt)
+        seq = self._sequence(rid, 0, prompt, sampling, seed)
+        seq.num_children = sampling.n - 1
+        return seq
+
+    def _prompt_problem(self, prompt: Any) -> str | None:
+        if not isinstance(prompt, list | tuple) or not prompt:
+            return "prompt_token_ids must be a non-empty list of token ids"
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            return f"prompt has token ids outside 0..{vocab - 1}: {bad[:5]}"
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
+            )
+        return None
+
+    def _sequence(self, rid: Any, index: int, tokens: list[int], sampling: SamplingParams, seed: int) -> Sequence:
+        generator = None if sampling.greedy else torch.Generator().manual_seed(sample_seed(seed, index))
+        seq = Sequence(
+            seq_id=self._next_seq_id, request_id=rid, sample_index=index, token_ids=tokens,
+            num_prompt_tokens=len(tokens), sampling=sampling, base_seed=seed, generator=generator,
+        )
+        self._next_seq_id += 1
+        if sampling.stop:
+            seq.decoder = self.tokenizer.incremental_decoder()
+        if sampling.logprobs:
+            seq.logprobs = []
+        return seq
+
+    def _fork_children(self, samplers: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """Samples 1..n-1 of a request join right after sample 0's prefill and share its logits row."""
+        rows, out = list(range(len(samplers))), list(samplers)
+        for row, parent in enumerate(samplers):
+            for index in range(1, parent.num_children + 1):
+                child = self._sequence(
+                    parent.request_id, index, parent.token_ids[: parent.num_prompt_tokens],
+                    parent.sampling, parent.base_seed,
+                )
+                child.num_cached = parent.num_cached
+                copies = self.kv.fork(parent, child)
+                if copies is None:  # no block for its copy: recompute later instead
+                    self.scheduler.waiting.appendleft(child)
+                    continue
+                self._block_copies.extend(copies)
+                child.status = Status.RUNNING
+                self.scheduler.running.append(child)
+                rows.append(row)
+                out.append(child)
+            parent.num_children = 0
+        return rows, out
+
+    # -- tokens out -----------------------------------------------------------------------------------
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> bool:
+        """Add a sampled token; True when the sample is finished (finish_reason set)."""
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        sp = seq.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            seq.finish_reason = "stop"
+            return True
+        if seq.decoder is not None:
+            tail = len(seq.text)
+            seq.text += seq.decoder.push(token)
+            for stop in sp.stop:
+                at = seq.text.find(stop, max(0, tail - len(stop) + 1))
+                if at >= 0:
+                    seq.text = seq.text[:at]
+                    seq.finish_reason = "stop"
+                    return True
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _result(self, seq: Sequence) -> Result:
+        output = seq.output_ids
+        if seq.decoder is not None:
+            text = seq.text
+        else:
+            stopped_by_token = seq.finish_reason == "stop"
+            text = self.tokenizer.decode(output[:-1] if stopped_by_token else output)
+        if seq.sample_index == 0:
+            self.stats.cached_tokens += max(0, seq.num_cached)
+        return Result(
+            id=seq.request_id, sample_index=seq.sample_index, token_ids=output, text=text,
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=max(0, seq.num_cached),
+            completion_tokens=len(output), finish_reason=seq.finish_reason, logprobs=seq.logprobs,
+        )

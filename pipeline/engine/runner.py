@@ -1,0 +1,203 @@
+"""One model step over a flat batch, reading and writing the paged KV cache.
+
+`build_batch` (on the scheduling rank) turns the scheduler's choice into a `StepBatch` of plain tensors;
+`Runner.execute(batch)` runs the model on it and returns float32 logits for the rows that sample. That
+single call is everything a tensor-parallel worker needs: every rank executes the same batch on its own
+shard of the model and of the KV cache, and rank 0 samples.
+
+Flat batch layout: the sequences computing exactly one token (decodes) come first, one row each, then the
+multi-token prefill chunks. Decode attention is one batched matmul over the block tables of all decodes
+(gathered whole blocks, padding masked); prefill chunks use `causal_attention` per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from pipeline.engine.sequence import Sequence
+from pipeline.model.attention import causal_attention
+from pipeline.model.llama import LlamaModel
+
+
+@dataclass
+class StepBatch:
+    """Everything one step needs, as tensors (cheap to broadcast to tensor-parallel ranks)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset where each token's K/V goes
+    query_start: torch.Tensor  # [B + 1] int64: sequence b owns rows query_start[b]:query_start[b+1]
+    context_lens: torch.Tensor  # [B] int64: keys each sequence attends to after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    num_decodes: int  # the first num_decodes sequences have exactly one query row
+    logits_rows: torch.Tensor  # [S] int64: rows whose logits are wanted
+    block_copies: torch.Tensor = field(default_factory=lambda: torch.empty(0, 2, dtype=torch.long))  # [C, 2]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> StepBatch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return StepBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+def build_batch(
+    work: list[tuple[Sequence, int]], block_size: int, block_copies: list[tuple[int, int]] = ()
+) -> tuple[StepBatch, list[Sequence]]:
+    """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch and the sequences that
+    sample this step, in the order of `logits_rows`."""
+    work = sorted(work, key=lambda w: w[1] > 1)  # single-token rows first, stable
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    lens: list[int] = []
+    rows: list[int] = []
+    samplers: list[Sequence] = []
+    for seq, n in work:
+        lo = seq.num_computed
+        ids.extend(seq.token_ids[lo : lo + n])
+        positions.extend(range(lo, lo + n))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(lo, lo + n))
+        starts.append(starts[-1] + n)
+        lens.append(lo + n)
+        if lo + n == seq.num_tokens:
+            rows.append(starts[-1] - 1)
+            samplers.append(seq)
+    width = max(len(seq.block_table) for seq, _ in work)
+    tables = torch.zeros(len(work), width, dtype=torch.long)
+    for i, (seq, _) in enumerate(work):
+        tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+    batch = StepBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start=torch.tensor(starts, dtype=torch.long),
+        context_lens=torch.tensor(lens, dtype=torch.long),
+        block_tables=tables,
+        num_decodes=sum(1 for _, n in work if n == 1),
+        logits_rows=torch.tensor(rows, dtype=torch.long),
+        block_copies=torch.tensor(list(block_copies), dtype=torch.long).reshape(-1, 2),
+    )
+    return batch, samplers
+
+
+class PagedAttention:
+    """`AttentionBackend` over per-layer block pools shaped [Hkv, num_blocks, block_size, D].
+
+    Head-major pools make a gather of whole blocks land directly in the [Hkv, B, L, D] layout the
+    batched decode matmul wants, with no transpose copy.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, scale: float):
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+        self.scale = scale
+        self.batch: StepBatch | None = None
+        self.attention_seconds = 0.0
+        self._decode_mask: torch.Tensor | None = None
+        self._decode_rows: torch.Tensor | None = None  # rows of the [Hkv * num_blocks, block] pool view
+        self._key_buf = self._value_buf = torch.empty(0, dtype=dtype, device=device)
+
+    def prepare(self, batch: StepBatch) -> None:
+        """Per-step metadata shared by all layers."""
+        self.batch = batch
+        d = batch.num_decodes
+        if d:
+            lens = batch.context_lens[:d]
+            width = -(-int(lens.max()) // self.block_size)
+            self._decode_rows = self._pool_rows(batch.block_tables[:d, :width].reshape(-1))
+            keys = torch.arange(width * self.block_size, device=lens.device)
+            self._decode_mask = (keys[None, :] >= lens[:, None])[None, :, None, :]  # [1, d, 1, L]
+            # One gather buffer per step for all layers: fresh large tensors cost page faults every time.
+            row = self.block_size * self.k[0].shape[-1]
+            if self._key_buf.numel() < self._decode_rows.numel() * row:
+                self._key_buf = self._key_buf.new_empty(self._decode_rows.numel() * row)
+                self._value_buf = self._value_buf.new_empty(self._decode_rows.numel() * row)
+        for src, dst in batch.block_copies.tolist():
+            for pool in (*self.k, *self.v):
+                pool[:, dst].copy_(pool[:, src])
+
+    def _pool_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Rows of the pool viewed as [Hkv * num_blocks, block_size * D] holding `blocks`, head-major:
+        a row gather along dim 0 is a plain memcpy of whole blocks (dim-1 gathers take a slow path)."""
+        hkv, num_blocks = self.k[0].shape[:2]
+        return (torch.arange(hkv, device=blocks.device)[:, None] * num_blocks + blocks).reshape(-1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        batch = self.batch
+        kp, vp = self.k[layer], self.v[layer]
+        hkv, nb, bs, dim = kp.shape
+        flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
+        flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+        flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        out = torch.empty_like(q)
+        d = batch.num_decodes
+        if d:
+            out[:d] = self._decode(q[:d], kp, vp)
+        starts = batch.query_start.tolist()
+        lens = batch.context_lens.tolist()
+        for b in range(d, len(lens)):
+            lo, hi, length = starts[b], starts[b + 1], lens[b]
+            rows = self._pool_rows(batch.block_tables[b, : -(-length // bs)])
+            ks = kp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
+            vs = vp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
+            out[lo:hi] = causal_attention(q[lo:hi], ks, vs, length - (hi - lo), self.scale)
+        self.attention_seconds += time.perf_counter() - t0
+        return out
+
+    def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        """One query per sequence over its padded keys: [d, Hq, D] -> [d, Hq, D]."""
+        d, hq, dim = q.shape
+        hkv = kp.shape[0]
+        group = hq // hkv
+        rows = self._decode_rows
+        width = kp.shape[2] * dim
+        size = rows.numel() * width
+        keys = torch.index_select(kp.view(-1, width), 0, rows, out=self._key_buf[:size].view(-1, width))
+        values = torch.index_select(vp.view(-1, width), 0, rows, out=self._value_buf[:size].view(-1, width))
+        keys, values = keys.view(hkv, d, -1, dim), values.view(hkv, d, -1, dim)  # [Hkv, d, L, D]
+        qg = q.view(d, hkv, group, dim).transpose(0, 1).contiguous()  # [Hkv, d, group, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, d, group, L]
+        scores.masked_fill_(self._decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # [Hkv, d, group, D]
+        return out.transpose(0, 1).reshape(d, hq, dim)
+
+
+class Runner:
+    """Owns the model and its KV pools; `execute` is the whole per-step interface."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.attn = PagedAttention(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads // model.tp.size, cfg.head_dim,
+            model.dtype, device, model.scale,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; float32 logits [len(batch.logits_rows), vocab] (possibly zero rows)."""
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        self.attn.prepare(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    """Bytes one block takes across all layers (K and V) on this rank."""
+    cfg = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_layers * block_size * (cfg.num_kv_heads // model.tp.size) * cfg.head_dim * elem

@@ -1,0 +1,74 @@
+"""Turn each sampling row's logits into its next token, per request parameters.
+
+Greedy rows take the argmax. Sampled rows apply, in this order: temperature, top-k, top-p (on the top-k
+renormalized distribution), min-p (relative to the most likely token), then draw by inverse CDF with one
+uniform number from the sequence's own `torch.Generator`. Every operation is row-wise, so a seeded request
+draws the same tokens alone or in any batch. Logprobs, when asked, are of the model's own distribution
+(before temperature and filters): the chosen token plus the top-k alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.engine.sequence import Sequence
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def filter_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept probabilities in descending order [R, V] (zeros where filtered, not renormalized) and the
+    token ids of each column. Per-row parameters are [R] tensors; top_k 0 means off."""
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    sorted_p = sorted_p.masked_fill(rank >= k, 0.0)
+    # top-p over the renormalized top-k mass: keep a token if the mass before it is still < top_p.
+    mass_before = (sorted_p.cumsum(-1) - sorted_p) / sorted_p.sum(-1, keepdim=True)
+    sorted_p = sorted_p.masked_fill((mass_before >= top_p[:, None]) & (rank > 0), 0.0)
+    sorted_p = sorted_p.masked_fill(sorted_p < min_p[:, None] * sorted_p[:, :1], 0.0)
+    return sorted_p, order
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    """One token per row of `logits` [R, V] (float32), row i belonging to seqs[i]."""
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+    if sampled_rows:
+        params = [seqs[i].sampling for i in sampled_rows]
+        kept, order = filter_probs(
+            logits[sampled_rows],
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        )
+        cdf = kept.cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled_rows])
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=kept.shape[-1] - 1)
+        # The draw may land on a zeroed column's right edge only through rounding; step back to a kept one.
+        pick = torch.minimum(pick, (kept > 0).sum(-1, keepdim=True) - 1)
+        tokens[sampled_rows] = order.gather(1, pick).squeeze(1)
+    token_list = tokens.tolist()
+    logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+    want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+    if want:
+        lp = torch.log_softmax(logits[want], dim=-1)
+        k = max(seqs[i].sampling.logprobs for i in want)
+        top_v, top_i = lp.topk(k, dim=-1)
+        for row, i in enumerate(want):
+            n = seqs[i].sampling.logprobs
+            entry = dict(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist()))
+            entry[token_list[i]] = float(lp[row, token_list[i]])
+            logprobs[i] = entry
+    return Sampled(token_list, logprobs)

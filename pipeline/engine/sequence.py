@@ -1,0 +1,78 @@
+"""One sample being generated: its tokens, its place in the KV cache, and its own random generator."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipeline.engine.request import SamplingParams
+
+# Seeds of the n samples of one request are spread by a large odd constant so sample i's stream does not
+# coincide with another request's seed + i.
+_SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
+_SEED_MASK = 2**63 - 1
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    return (seed + sample_index * _SAMPLE_SEED_STRIDE) & _SEED_MASK
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt plus what was sampled so far. `num_computed` tokens have their K/V in `block_table`.
+
+    `token_ids[num_computed:]` still has to go through the model; when it is all computed the last
+    position's logits are sampled. After a preemption num_computed drops to 0 and the whole thing
+    (prompt + outputs) is recomputed.
+    """
+
+    seq_id: int
+    request_id: Any
+    sample_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    base_seed: int  # the request's seed (drawn from the engine's generator when it has none)
+    generator: torch.Generator | None
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_cached: int = -1  # prompt tokens served by the prefix cache at first admission; -1 = not admitted
+    block_table: list[int] = field(default_factory=list)
+    # Chained content hashes of the full blocks of token_ids (computed lazily, see kv_cache.block_hashes).
+    block_hashes: list[int] = field(default_factory=list)
+    # Prefix-cache identity of each block in block_table that holds confirmed content, see kv_cache.
+    block_serials: list[int] = field(default_factory=list)
+    text: str = ""
+    decoder: Any = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    num_children: int = 0  # samples of the same request still to fork from this one after its prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prompt_prefill(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens

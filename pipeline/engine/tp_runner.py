@@ -1,0 +1,194 @@
+"""The engine under tensor parallelism: rank 0 schedules and samples, every rank runs the same step.
+
+`open_model(...)` starts the N-1 workers (or joins the ranks `torchrun` started), loads rank 0's shard and
+waits until every worker holds its own; the engine then picks `TPRunner` through `make_runner` because
+the model's `tp.size > 1`. Each step `TPRunner` broadcasts the `StepBatch` (a handful of int tensors, one
+broadcast) and runs rank 0's half; the workers' `RunnerWorker` runs the same batch on its shard and its
+own KV pools (holding its KV heads only). Logits are all-gathered inside the LM head; only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.engine.runner import Runner, StepBatch
+from pipeline.model.llama import LlamaModel
+from pipeline.model.loader import LoadedModel, load_model, open_checkpoint
+from pipeline.parallel import (
+    SINGLE,
+    TorchrunEnv,
+    TPGroup,
+    WorkerPool,
+    join_torchrun,
+    rank_device,
+    run_worker,
+)
+
+_BATCH_FIELDS = [f.name for f in dataclasses.fields(StepBatch)]
+
+
+def pack_batch(batch: StepBatch) -> list[torch.Tensor]:
+    """The batch as a list of tensors in field order (`num_decodes` as a 0-d tensor)."""
+    return [torch.tensor(v) if isinstance(v, int) else v for v in (getattr(batch, f) for f in _BATCH_FIELDS)]
+
+
+def unpack_batch(tensors: list[torch.Tensor]) -> StepBatch:
+    values = dict(zip(_BATCH_FIELDS, tensors, strict=True))
+    values["num_decodes"] = int(values["num_decodes"])
+    return StepBatch(**values)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a worker loads its shard: the same checkpoint, dtype and quantization as rank 0."""
+
+    path: str
+    dtype: torch.dtype = torch.float32
+    quant: str = "none"
+    quant_group_size: int = 32
+
+    def build(self, group: TPGroup, device: str) -> RunnerWorker:
+        loaded = load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size)
+        return RunnerWorker(loaded.model, torch.device(device))
+
+
+class RunnerWorker:
+    """A worker's executor. A one-tensor message (re)sizes the KV pools as rank 0's new engine sized them
+    (only rank 0 knows the engine config); every other message is one `StepBatch` to run. One engine at a
+    time per tensor-parallel model."""
+
+    def __init__(self, model: LlamaModel, device: torch.device):
+        self.model = model
+        self.device = device
+        self.runner: Runner | None = None
+
+    def execute(self, inputs: list[torch.Tensor]) -> None:
+        if len(inputs) == 1:
+            num_blocks, block_size = inputs[0].tolist()
+            self.runner = None  # free the old pools before allocating the new ones
+            self.runner = Runner(self.model, num_blocks, block_size, self.device)
+        else:
+            self.runner.execute(unpack_batch([t.to(self.device) for t in inputs]))
+
+
+class TPRunner:
+    """Rank 0's runner: the same interface as `Runner` (`execute`, `attn`, `model`); each step first goes
+    to the workers, then runs here. Worker failures surface as `WorkerFailed` naming the rank."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device):
+        if model.tp.driver is None:
+            raise ValueError("a tensor-parallel model needs its workers: load it with tp_runner.open_model")
+        self.driver = model.tp.driver
+        self.local = Runner(model, num_blocks, block_size, device)
+        self.model = model
+        self.attn = self.local.attn
+        self.driver.send([torch.tensor([num_blocks, block_size])])
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        return self.driver.step(pack_batch(batch), lambda: self.local.execute(batch))
+
+
+def make_runner(
+    model: LlamaModel, num_blocks: int, block_size: int, device: torch.device, tensor_parallel: int = 1
+) -> Runner | TPRunner:
+    """The engine's runner: plain for one rank, `TPRunner` when the model is split across ranks."""
+    if model.tp.size != tensor_parallel:
+        raise ValueError(
+            f"engine.tensor_parallel={tensor_parallel} but the model was loaded for {model.tp.size} rank(s); "
+            "load it with pipeline.engine.tp_runner.open_model(..., tensor_parallel=N)"
+        )
+    if tensor_parallel == 1:
+        return Runner(model, num_blocks, block_size, device)
+    return TPRunner(model, num_blocks, block_size, device)
+
+
+@contextlib.contextmanager
+def open_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    quant: str = "none",
+    quant_group_size: int = 32,
+    tensor_parallel: int = 1,
+    threads: int | None = None,
+    timeout_s: float = 300.0,
+) -> Iterator[LoadedModel]:
+    """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
+
+    device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model`. Otherwise the head counts are checked before any process
+    starts; under `torchrun` (its RANK/WORLD_SIZE in the environment) the ranks it started are joined
+    instead of spawning, and ranks > 0 serve steps here and then exit the process (SystemExit 0).
+    Leaving the block normally stops the workers in order; an exception terminates them.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if tensor_parallel == 1:
+        yield load_model(path, dtype, SINGLE, device, quant, quant_group_size)
+        return
+    open_checkpoint(path).config.check_tensor_parallel(tensor_parallel)
+    spec = ShardSpec(str(path), dtype, quant, quant_group_size)
+    env = TorchrunEnv.from_env()
+    if env is not None:
+        group = _join_torchrun(env, tensor_parallel, device, threads, timeout_s)
+        if env.rank > 0:
+            _serve(group, rank_device(device, env.local_rank), spec)
+            raise SystemExit(0)
+    else:
+        group = WorkerPool(tensor_parallel, spec, device, threads, timeout_s).group
+    driver = group.driver
+    ok = False
+    try:
+        device = rank_device(device, env.local_rank if env else 0)
+        loaded = load_model(path, dtype, group, device, quant, quant_group_size)
+        driver.wait_ready()
+        yield loaded
+        ok = True
+    finally:
+        driver.close(graceful=ok)
+
+
+def serve_as_torchrun_worker(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    quant: str = "none",
+    quant_group_size: int = 32,
+    tensor_parallel: int = 1,
+    threads: int | None = None,
+    timeout_s: float = 300.0,
+) -> bool:
+    """Under torchrun, ranks > 0 only hold a shard: load it, serve rank 0's steps until it stops, then
+    return True. Returns False at once on rank 0 and outside torchrun (the caller runs the job).
+
+    Call it before the job touches its output, so that only rank 0 reads input and writes results.
+    """
+    env = TorchrunEnv.from_env()
+    if env is None or env.rank == 0 or tensor_parallel == 1:
+        return False
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    open_checkpoint(path).config.check_tensor_parallel(tensor_parallel)
+    group = _join_torchrun(env, tensor_parallel, device, threads, timeout_s)
+    _serve(group, rank_device(device, env.local_rank), ShardSpec(str(path), dtype, quant, quant_group_size))
+    return True
+
+
+def _join_torchrun(env: TorchrunEnv, tensor_parallel: int, device: str, threads: int | None,
+                   timeout_s: float) -> TPGroup:
+    if env.world_size != tensor_parallel:
+        raise ValueError(f"engine.tensor_parallel={tensor_parallel} but torchrun started {env.world_size} processes")
+    return join_torchrun(env, device, threads, timeout_s)
+
+
+def _serve(group: TPGroup, device: str, spec: ShardSpec) -> None:
+    """A torchrun worker's life; Ctrl-C is rank 0's to handle (it then stops us)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_worker(group, device, spec)
+    torch.distributed.destroy_process_group()

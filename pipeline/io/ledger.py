@@ -1,0 +1,230 @@
+"""Commit protocol for output parts: every unit is written exactly once, whatever kills the job.
+
+Why: a batch job on preemptible machines dies at arbitrary instants. The protocol makes each unit's
+output appear atomically and records it only afterwards:
+
+1. the unit's Parquet part is written whole under its final name by the sink through `write_whole` (local
+   disk: temp file + fsync + rename; object store: one PUT of the final key, visible all at once);
+2. then the ledger record `_progress/<unit>.json` (row count, checksum of the ids, part name and size) is
+   written the same way. **The record is the commit point.**
+
+A part without a record is an interrupted attempt: it is never read as a result and is overwritten when
+the unit is redone (unit ids, hence part names, are stable). `verify` re-reads every part and checks it
+against its record; `_SUCCESS` is written once every unit of the plan is committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from pipeline.faults import fault_point
+
+PART_PREFIX = "part-"
+PROGRESS_DIR = "_progress"
+SUCCESS_FILE = "_SUCCESS"
+
+
+def part_name(unit_id: str) -> str:
+    return f"{PART_PREFIX}{unit_id}.parquet"
+
+
+def ids_checksum(ids: Iterable[Any]) -> str:
+    """Order-independent, multiplicity-sensitive checksum of a unit's ids (results arrive in any order)."""
+    canon = sorted(json.dumps(i, sort_keys=True, default=str) for i in ids)
+    return hashlib.sha256("\n".join(canon).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What the ledger knows about one committed unit."""
+
+    unit: str
+    part: str
+    rows: int
+    ids_sha256: str
+    bytes: int
+    committed_at: float = field(default=0.0, compare=False)
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> CommitRecord:
+        try:
+            raw = json.loads(data)
+            return cls(**{k: raw[k] for k in ("unit", "part", "rows", "ids_sha256", "bytes", "committed_at")})
+        except (ValueError, KeyError, TypeError) as e:
+            raise LedgerError(f"unreadable ledger record {where}: {e}") from None
+
+
+class LedgerError(RuntimeError):
+    """The ledger or a part is inconsistent; names the file."""
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of `Ledger.verify`: `errors` mean the output cannot be trusted; `notes` are harmless leftovers."""
+
+    committed_units: int = 0
+    rows: int = 0
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: str) -> None:
+    """Make `data` appear at `path` all at once: no reader ever sees a partial file under the final name.
+
+    `point` names the fault-injection points `<point>.before_write|mid_write|after_write` (see faults.py).
+    """
+    fault_point(f"{point}.before_write")
+    if isinstance(fs, LocalFileSystem):
+        directory, name = posixpath.split(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = posixpath.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with open(tmp, "wb") as f:
+            half = len(data) // 2
+            f.write(data[:half])
+            f.flush()
+            fault_point(f"{point}.mid_write")
+            f.write(data[half:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        fault_point(f"{point}.mid_write")
+        fs.pipe_file(path, data)  # one PUT (a multipart upload is also only visible once completed)
+    fault_point(f"{point}.after_write")
+
+
+class Ledger:
+    """Parts and ledger records under one output root (any fsspec filesystem)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+
+    @classmethod
+    def open(cls, url: str, **storage_options: Any) -> Ledger:
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        return cls(fs, root)
+
+    def path(self, *names: str) -> str:
+        return posixpath.join(self.root, *names)
+
+    def record_path(self, unit_id: str) -> str:
+        return self.path(PROGRESS_DIR, f"{unit_id}.json")
+
+    def commit(self, unit_id: str, part: str, nbytes: int, ids: Sequence[Any]) -> CommitRecord:
+        """Record a part that was just written whole (`write_whole`): this record is the commit point.
+
+        `ids` are the part's id column, one per row. Re-committing a unit overwrites its record.
+        """
+        record = CommitRecord(unit=unit_id, part=part, rows=len(ids), ids_sha256=ids_checksum(ids),
+                              bytes=nbytes, committed_at=time.time())
+        write_whole(self.fs, self.record_path(unit_id), json.dumps(asdict(record)).encode(), "ledger")
+        return record
+
+    def committed(self) -> dict[str, CommitRecord]:
+        """All committed units, read in one batched call (concurrent GETs on object stores)."""
+        self.fs.invalidate_cache(self.path(PROGRESS_DIR))
+        try:
+            paths = [p for p in self.fs.ls(self.path(PROGRESS_DIR), detail=False) if p.endswith(".json")]
+        except FileNotFoundError:
+            return {}
+        if not paths:
+            return {}
+        blobs = self.fs.cat(paths)
+        records = {}
+        for p in paths:
+            rec = CommitRecord.from_json(blobs[p], p)
+            records[rec.unit] = rec
+        return records
+
+    def is_complete(self) -> bool:
+        self.fs.invalidate_cache(self.root)
+        return self.fs.exists(self.path(SUCCESS_FILE))
+
+    def mark_success(self, expected_units: Sequence[str]) -> bool:
+        """Write `_SUCCESS` if every expected unit is committed (any shard may call this; it is idempotent)."""
+        done = self.committed()
+        if any(u not in done for u in expected_units):
+            return False
+        write_whole(self.fs, self.path(SUCCESS_FILE), b"", "success")
+        return True
+
+    def remove_leftovers(self, unit_ids: Iterable[str]) -> None:
+        """Delete temp files of interrupted writes for these units (only ours: other shards may be writing)."""
+        if not isinstance(self.fs, LocalFileSystem):
+            return  # object stores never hold partial objects under any name
+        wanted = {f".{part_name(u)}.tmp-" for u in unit_ids} | {f".{u}.json.tmp-" for u in unit_ids}
+        for directory in (self.root, self.path(PROGRESS_DIR)):
+            if not os.path.isdir(directory):
+                continue
+            for name in os.listdir(directory):
+                if any(name.startswith(prefix) for prefix in wanted):
+                    os.remove(os.path.join(directory, name))
+
+    def verify(self, expected: Mapping[str, int] | None = None, id_column: str = "id") -> VerifyReport:
+        """Re-read every committed part and check it against its record.
+
+        `expected` (unit id -> output rows) also checks that every planned unit is committed with that many
+        rows and that the ledger holds nothing else.
+        """
+        report = VerifyReport()
+        records = self.committed()
+        for unit, rec in sorted(records.items()):
+            path = self.path(rec.part)
+            if not self.fs.exists(path):
+                report.errors.append(f"unit {unit}: part {rec.part} is missing")
+                continue
+            size = self.fs.size(path)
+            if size != rec.bytes:
+                report.errors.append(f"unit {unit}: part {rec.part} has {size} bytes, ledger says {rec.bytes}")
+                continue
+            try:
+                with self.fs.open(path, "rb") as f:
+                    ids = pq.read_table(f, columns=[id_column]).column(id_column).to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                report.errors.append(f"unit {unit}: part {rec.part} is unreadable: {e}")
+                continue
+            if len(ids) != rec.rows:
+                report.errors.append(f"unit {unit}: part {rec.part} has {len(ids)} rows, ledger says {rec.rows}")
+            if ids_checksum(ids) != rec.ids_sha256:
+                report.errors.append(f"unit {unit}: ids in {rec.part} do not match the ledger checksum")
+            report.committed_units += 1
+            report.rows += len(ids)
+        if expected is not None:
+            missing = [u for u in expected if u not in records]
+            if missing:
+                report.errors.append(f"{len(missing)} unit(s) not committed yet, e.g. {missing[:5]}")
+            wrong = [f"{u} ({records[u].rows} rows, planned {n})" for u, n in expected.items()
+                     if u in records and records[u].rows != n]
+            if wrong:
+                report.errors.append(f"units with a wrong row count: {', '.join(wrong[:5])}")
+            extra = sorted(set(records) - set(expected))
+            if extra:
+                report.errors.append(f"ledger has units outside the plan: {extra[:5]}")
+        committed_parts = {r.part for r in records.values()}
+        self.fs.invalidate_cache(self.root)
+        try:
+            names = [posixpath.basename(p) for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            names = []
+        for name in sorted(names):
+            if name.startswith(PART_PREFIX) and name not in committed_parts:
+                report.notes.append(f"{name} has no ledger record (interrupted attempt; redone on resume)")
+        return report

@@ -1,0 +1,146 @@
+"""Progress of a run: a tqdm bar on a terminal, a plain log line every few seconds otherwise.
+
+Cron jobs and Slurm write stdout to a file, where a redrawn bar becomes megabytes of carriage returns;
+there a line like `rows 120/200 (60.0%) | gen 312.4 tok/s | ...` every `progress.log_every_s` seconds
+tells the same story and greps well.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+from tqdm import tqdm
+
+
+@dataclass
+class Counters:
+    """Totals since the start of the run (absolute values, not increments)."""
+
+    rows: int = 0  # input rows finished (written or rejected)
+    prompt_tokens: int = 0  # prompt positions computed by the model
+    cached_tokens: int = 0  # prompt positions served from the prefix cache instead
+    generated_tokens: int = 0
+    running: int = 0  # sequences in the engine's running batch right now
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def rates(c: Counters, elapsed: float) -> str:
+    """`gen 312.4 tok/s | prompt 1024.0 tok/s | cached 35.2% | batch 48`."""
+    elapsed = max(elapsed, 1e-9)
+    seen = c.prompt_tokens + c.cached_tokens
+    cached = 100.0 * c.cached_tokens / seen if seen else 0.0
+    return (f"gen {c.generated_tokens / elapsed:.1f} tok/s | prompt {c.prompt_tokens / elapsed:.1f} tok/s | "
+            f"cached {cached:.1f}% | batch {c.running}")
+
+
+class Progress:
+    """Receives the run's counters; shows nothing (progress.mode=off)."""
+
+    def __init__(self, total_rows: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_rows = total_rows
+        self.clock = clock
+        self.start = clock()
+        self.counters = Counters()
+
+    def update(self, counters: Counters) -> None:
+        self.counters = counters
+
+    def close(self) -> None:
+        pass
+
+
+class BarProgress(Progress):
+    """A tqdm bar over rows with the token rates as its postfix."""
+
+    def __init__(self, total_rows: int, stream: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(total_rows, clock)
+        self.bar = tqdm(total=total_rows, unit="row", file=stream, dynamic_ncols=True, mininterval=0.5,
+                        smoothing=0.1)
+
+    def update(self, counters: Counters) -> None:
+        super().update(counters)
+        self.bar.update(counters.rows - self.bar.n)
+        self.bar.set_postfix_str(rates(counters, self.clock() - self.start), refresh=False)
+
+    def close(self) -> None:
+        self.bar.set_postfix_str(rates(self.counters, self.clock() - self.start), refresh=False)
+        self.bar.close()
+
+
+class LogProgress(Progress):
+    """One line every `every_s` seconds (checked on each update), and a last one at the end."""
+
+    def __init__(self, total_rows: int, every_s: float, emit: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(total_rows, clock)
+        self.every_s = every_s
+        self.emit = emit
+        self.last = self.start
+
+    def line(self) -> str:
+        c, elapsed = self.counters, self.clock() - self.start
+        pct = 100.0 * c.rows / self.total_rows if self.total_rows else 100.0
+        eta = elapsed / c.rows * (self.total_rows - c.rows) if c.rows else None
+        return (f"rows {c.rows}/{self.total_rows} ({pct:.1f}%) | {rates(c, elapsed)} | "
+                f"elapsed {_duration(elapsed)} | eta {_duration(eta) if eta is not None else '?'}")
+
+    def update(self, counters: Counters) -> None:
+        super().update(counters)
+        now = self.clock()
+        if now - self.last >= self.every_s:
+            self.last = now
+            self.emit(self.line())
+
+    def close(self) -> None:
+        self.emit(self.line())
+
+
+def make_progress(mode: str, total_rows: int, log_every_s: float, stream: TextIO | None = None,
+                  emit: Callable[[str], None] | None = None) -> Progress:
+    """`auto` picks the bar when `stream` (default stdout) is a terminal, log lines otherwise."""
+    stream = stream or sys.stdout
+    if mode == "auto":
+        mode = "bar" if stream.isatty() else "log"
+    if mode == "bar":
+        return BarProgress(total_rows, stream)
+    if mode == "log":
+        return LogProgress(total_rows, log_every_s, emit or (lambda line: print(line, file=stream, flush=True)))
+    return Progress(total_rows)
+
+
+def _bytes(n: float) -> str:
+    unit = "B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            break
+        n /= 1024
+    return f"{n:.1f} {unit}"
+
+
+def summary(m: dict) -> str:
+    """The end-of-run table (a subset of metrics.json)."""
+    cached = 100.0 * m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
+    rows = [
+        ("rows", f"{m['rows']:,} in, {m['output_rows']:,} out, {m['error_rows']:,} errors"),
+        ("prompt tokens", f"{m['prompt_tokens']:,} ({cached:.1f}% cached, {m['computed_prompt_tokens']:,} computed)"),
+        ("generated tokens", f"{m['generated_tokens']:,}"),
+        ("wall time", f"{m['wall_time_s']:.1f} s (model load {m['model_load_s']:.1f} s)"),
+        ("throughput", f"{m['generated_tokens_per_s']:.1f} generated tok/s, {m['total_tokens_per_s']:.1f} total tok/s"),
+        ("mean batch", f"{m['mean_batch']:.1f} over {m['steps']:,} steps"),
+        ("preemptions", f"{m['preemptions']:,}"),
+        ("peak memory", _bytes(m["peak_memory_bytes"])
+         + (f" (GPU {_bytes(m['peak_gpu_memory_bytes'])})" if m.get("peak_gpu_memory_bytes") else "")),
+        ("weight bytes", _bytes(m["weight_bytes"])),
+        ("weight-read bw", f"{m['weight_read_bandwidth_gb_s']:.2f} GB/s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,90 @@
+"""Write results as a Parquet dataset (zstd part files) under one output directory, through fsspec.
+
+The only way data reaches the output is `ParquetSink.write_part(unit_id, table)`: each call writes one
+whole part file (`ledger.write_whole`: local temp file + fsync + rename; object stores: one PUT of the
+final key) and returns what it wrote. The checkpoint's `UnitWriter` adds the ledger record after that call
+returns (the commit point); resume and shards choose the unit ids (see pipeline/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+from pipeline.errors import JobError
+from pipeline.io.ledger import part_name, write_whole
+
+METRICS_FILE = "metrics.json"
+
+
+def result_schema(id_type: pa.DataType, passthrough: Mapping[str, pa.DataType], token_ids: bool,
+                  logprobs: bool = False) -> pa.Schema:
+    """The output columns: id (input type), passthrough columns, then the result of each sample.
+
+    `logprobs`: per generated token, a map from token id to log-probability (the top-k and the chosen one).
+    """
+    fields = [pa.field("id", id_type), *(pa.field(n, t) for n, t in passthrough.items())]
+    fields += [pa.field("sample_index", pa.int32()), pa.field("text", pa.string())]
+    if token_ids:
+        fields.append(pa.field("token_ids", pa.list_(pa.int32())))
+    if logprobs:
+        fields.append(pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))))
+    fields += [
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("cached_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+    return pa.schema(fields)
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One written part: the commit record a progress ledger needs."""
+
+    unit_id: str
+    name: str  # file name under the output directory
+    rows: int
+    bytes: int
+
+
+class ParquetSink:
+    """The output directory of one job: part files with the job's schema and key-value metadata."""
+
+    def __init__(self, path: str, schema: pa.Schema, metadata: Mapping[str, str], compression: str = "zstd",
+                 storage_options: dict | None = None) -> None:
+        self.url = path
+        self.fs, self.root = url_to_fs(path, **(storage_options or {}))
+        self.schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
+        self.compression = compression
+
+    def write_part(self, unit_id: str, table: pa.Table) -> PartInfo:
+        """Write `table` (cast to the output schema) whole as this unit's part file."""
+        buf = pa.BufferOutputStream()
+        pq.write_table(table.cast(self.schema), buf, compression=self.compression)
+        data = buf.getvalue().to_pybytes()
+        name = part_name(unit_id)
+        self._put(name, data, "part")
+        return PartInfo(unit_id, name, table.num_rows, len(data))
+
+    def write_rows(self, unit_id: str, rows: list[dict[str, Any]]) -> PartInfo:
+        return self.write_part(unit_id, pa.Table.from_pylist(rows, schema=self.schema))
+
+    def finish(self, metrics: Mapping[str, Any], name: str = METRICS_FILE) -> None:
+        """Write the run's metrics (`_SUCCESS` is the ledger's: only when every unit is committed)."""
+        self._put(name, (json.dumps(metrics, indent=2, default=str) + "\n").encode(), "metrics")
+
+    def _put(self, name: str, data: bytes, point: str) -> None:
+        final = posixpath.join(self.root, name)
+        try:
+            write_whole(self.fs, final, data, point)
+        except OSError as e:
+            raise JobError(f"cannot write {final}: {e}") from None

@@ -1,0 +1,147 @@
+"""Read prompt rows from Parquet shards through fsspec, streaming, in a stable order.
+
+The listing (which files, in which order, how many rows each) is fixed up front from the Parquet footers
+alone, so the progress total and any later planning are known before a row is read; the rows themselves
+come in record batches of only the needed columns, so memory does not grow with the dataset.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+from pipeline.errors import JobError
+
+_GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One input file: `path` on `fs`, `name` relative to the input root (used in ids and messages)."""
+
+    path: str
+    name: str
+    size: int
+    num_rows: int
+    schema: pa.Schema
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """A column the job reads: which config key named it, which Arrow types it accepts."""
+
+    name: str
+    key: str  # config key that chose the column, for messages
+    accepts: Callable[[pa.DataType], bool]
+    expected: str  # the accepted types in words
+    required: bool = True
+
+
+def _listing(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> list[tuple[str, int]]:
+    """(path, size) of the Parquet files one input.path entry names, sorted."""
+    if any(c in path for c in _GLOB_CHARS):
+        found = fs.glob(path, detail=True)
+        files = [(p, info.get("size") or 0) for p, info in found.items() if info.get("type") == "file"]
+        if not files:
+            raise JobError(f"input.path {shown!r} matches no files")
+    elif fs.isdir(path):
+        found = fs.find(path, detail=True)
+        files = [
+            (p, info.get("size") or 0)
+            for p, info in found.items()
+            if p.endswith(".parquet") and not posixpath.basename(p).startswith(("_", "."))
+        ]
+        if not files:
+            raise JobError(f"input.path {shown!r} is a directory with no .parquet files")
+    elif fs.isfile(path):
+        files = [(path, fs.size(path) or 0)]
+    else:
+        raise JobError(f"input.path {shown!r}: no such file or directory")
+    return sorted(files)
+
+
+def _read_footer(fs: fsspec.AbstractFileSystem, path: str, name: str) -> tuple[int, pa.Schema]:
+    try:
+        with fs.open(path, "rb") as f:
+            meta = pq.read_metadata(f)
+            return meta.num_rows, meta.schema.to_arrow_schema()
+    except Exception as e:
+        raise JobError(f"cannot read Parquet file {name}: {e}") from None
+
+
+class ParquetSource:
+    """The input shards of one job, checked against the columns it needs."""
+
+    def __init__(self, path: str | Sequence[str], storage_options: dict | None = None) -> None:
+        entries = [path] if isinstance(path, str) else list(path)
+        if not entries:
+            raise JobError("input.path is an empty list")
+        fs, _ = url_to_fs(entries[0], **(storage_options or {}))
+        files: list[tuple[str, int]] = []
+        for entry in entries:
+            entry_fs, entry_path = url_to_fs(entry, **(storage_options or {}))
+            if entry_fs.protocol != fs.protocol:
+                raise JobError(f"input.path mixes filesystems: {entries[0]!r} and {entry!r}")
+            files += [f for f in _listing(fs, entry_path, entry) if f not in files]
+        self.fs = fs
+        root = posixpath.commonpath([p for p, _ in files]) if len(files) > 1 else posixpath.dirname(files[0][0])
+        self.shards: list[Shard] = []
+        for p, size in files:
+            name = posixpath.relpath(p, root) if root else p
+            num_rows, schema = _read_footer(fs, p, name)
+            self.shards.append(Shard(p, name, size, num_rows, schema))
+
+    @property
+    def total_rows(self) -> int:
+        return sum(s.num_rows for s in self.shards)
+
+    def check_columns(self, specs: Sequence[ColumnSpec]) -> dict[str, pa.DataType]:
+        """Check every shard has each required column with an accepted type, the same in every shard.
+
+        Returns the type of each present column; raises JobError naming the file, column and key.
+        """
+        types: dict[str, pa.DataType] = {}
+        for spec in specs:
+            for shard in self.shards:
+                if spec.name not in shard.schema.names:
+                    if not spec.required:
+                        continue
+                    raise JobError(
+                        f"{shard.name}: no column {spec.name!r} (set by {spec.key}); available columns: "
+                        f"{', '.join(shard.schema.names)}"
+                    )
+                dtype = shard.schema.field(spec.name).type
+                if not (spec.accepts(dtype) or pa.types.is_null(dtype)):
+                    raise JobError(
+                        f"{shard.name}: column {spec.name!r} ({spec.key}) has type {dtype}, expected {spec.expected}"
+                    )
+                seen = types.setdefault(spec.name, dtype)
+                if pa.types.is_null(seen):
+                    types[spec.name] = seen = dtype
+                if dtype != seen and not pa.types.is_null(dtype):
+                    raise JobError(
+                        f"{shard.name}: column {spec.name!r} has type {dtype} but earlier files have {seen}"
+                    )
+        return types
+
+    def batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[tuple[Shard, int, pa.RecordBatch]]:
+        """Yield (shard, index of the batch's first row in the shard, batch) in listing order.
+
+        Columns a shard lacks (optional ones) are simply absent from its batches.
+        """
+        for shard in self.shards:
+            present = [c for c in columns if c in shard.schema.names]
+            start = 0
+            try:
+                with self.fs.open(shard.path, "rb") as f:
+                    for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=present):
+                        yield shard, start, batch
+                        start += batch.num_rows
+            except (OSError, pa.ArrowException) as e:
+                raise JobError(f"cannot read Parquet file {shard.name} near row {start}: {e}") from None

@@ -1,0 +1,297 @@
+"""One run: Parquet shards in -> prompts -> engine -> Parquet parts out, with progress and metrics.
+
+Everything that can be checked without the model (config, input listing and columns, output path, model
+file) is checked first, so a mistake fails in a second rather than after the model has loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import pyarrow as pa
+
+from pipeline import __version__
+from pipeline.checkpoint import Checkpoint, UnitWriter, job_fingerprint
+from pipeline.config import JobConfig
+from pipeline.engine.request import Request, Result
+from pipeline.errors import JobError
+from pipeline.faults import fault_point
+from pipeline.io.progress import Counters, Progress, make_progress, summary
+from pipeline.io.sink import ParquetSink, result_schema
+from pipeline.io.source import ColumnSpec, ParquetSource
+from pipeline.prompts import PromptBuilder
+from pipeline.signals import GracefulStop, Interrupted
+from pipeline.units import Unit
+
+log = logging.getLogger("pipeline")
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    """list<struct<role: string, content: string>>, or JSON text of that list."""
+    if _is_text(t):
+        return True
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+        return False
+    fields = {f.name: f.type for f in t.value_type}
+    return all(_is_text(fields.get(k, pa.null())) for k in ("role", "content"))
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+_SAMPLING_TYPES = {
+    "max_tokens": (_is_number, "an integer"),
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "seed": (_is_number, "an integer"),
+}
+
+
+def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
+    """The columns this job reads, each with the config key that chose it and the types it accepts."""
+    inp = cfg.input
+    if inp.messages_column:
+        prompt = ColumnSpec(inp.messages_column, "input.messages_column", _is_messages,
+                            "list<struct<role: string, content: string>> or JSON text")
+    else:
+        prompt = ColumnSpec(inp.prompt_column, "input.prompt_column", _is_text, "string")
+    specs = [prompt, ColumnSpec(inp.id_column, "input.id_column", lambda t: True, "any", required=False)]
+    specs += [ColumnSpec(c, "input.passthrough_columns", lambda t: True, "any") for c in inp.passthrough_columns]
+    specs += [
+        ColumnSpec(c, "input.sampling_columns", _SAMPLING_TYPES[c][0], _SAMPLING_TYPES[c][1], required=False)
+        for c in inp.sampling_columns
+    ]
+    return specs
+
+
+def _id_type(source: ParquetSource, column: str, types: dict[str, pa.DataType]) -> pa.DataType | None:
+    """The id column's type, or None when ids are `<file>:<row>`; every file must agree on which."""
+    having = [s.name for s in source.shards if column in s.schema.names]
+    if having and len(having) < len(source.shards):
+        lacking = next(s.name for s in source.shards if column not in s.schema.names)
+        raise JobError(f"{lacking}: no id column {column!r} (input.id_column) although {having[0]} has one")
+    return types[column] if having else None
+
+
+def _model_path(cfg: JobConfig) -> str:
+    if cfg.model.path is None:
+        from pipeline.model.loader import default_model_path
+
+        try:
+            return str(default_model_path())
+        except FileNotFoundError as e:
+            raise JobError(f"model.path is null and the default model is missing: {e}") from None
+    if not Path(cfg.model.path).exists():
+        raise JobError(f"model file not found: model.path={cfg.model.path!r}")
+    return cfg.model.path
+
+
+@dataclass
+class _Pending:
+    """An input row whose samples are still in the engine."""
+
+    base: dict[str, Any]  # id and passthrough values
+    unit: Unit
+    position: int  # row position inside its unit
+    remaining: int
+    failed: bool = False
+
+
+class _Run:
+    """The state of one run while rows stream through the engine."""
+
+    def __init__(self, cfg: JobConfig, checkpoint: Checkpoint, writer: UnitWriter, builder: PromptBuilder,
+                 id_column: str | None, progress: Progress) -> None:
+        self.cfg = cfg
+        self.checkpoint = checkpoint
+        self.writer = writer
+        self.builder = builder
+        self.id_column = id_column
+        self.progress = progress
+        self.pending: dict[int, _Pending] = {}
+        self.rows = 0
+        self.error_rows = 0  # input rows rejected before the engine or failed in it
+
+    def requests(self) -> Iterator[Request]:
+        """Read the rows still to do lazily (the engine pulls only what it can admit); reject bad rows at once.
+
+        Admission ends early when a stop signal arrives (`Checkpoint.rows` stops yielding)."""
+        inp = self.cfg.input
+        columns = [c for c in dict.fromkeys([
+            inp.messages_column or inp.prompt_column, self.id_column or "", *inp.passthrough_columns,
+            *inp.sampling_columns,
+        ]) if c]
+        seq = 0
+        for unit, position, shard, row_index, row in self.checkpoint.rows(columns, inp.batch_rows):
+            row_id = row.get(self.id_column) if self.id_column else f"{shard.name}:{row_index}"
+            base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
+            prepared = self.builder.prepare(row)
+            error = "id is null" if row_id is None else prepared.error
+            if error:
+                self._reject(base, unit, position, error, prepared.prompt_tokens)
+                continue
+            self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n)
+            fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
+            yield Request(seq, prepared.token_ids, prepared.sampling)
+            seq += 1
+
+    def _reject(self, base: dict[str, Any], unit: Unit, position: int, error: str, prompt_tokens: int) -> None:
+        for index in range(self.cfg.sampling.n):
+            self.writer.add(unit, position, {
+                **base, "sample_index": index, "text": None, "token_ids": None, "logprobs": None,
+                "prompt_tokens": prompt_tokens, "cached_tokens": 0, "completion_tokens": 0,
+                "finish_reason": "error", "error": error,
+            })
+        self.rows += 1
+        self.error_rows += 1
+
+    def accept(self, result: Result) -> None:
+        fault_point("row.result")  # crash tests: killed mid-decode of the other running rows
+        entry = self.pending[result.id]
+        self.writer.add(entry.unit, entry.position, {
+            **entry.base, "sample_index": result.sample_index, "text": result.text,
+            "token_ids": result.token_ids, "logprobs": result.logprobs, "prompt_tokens": result.prompt_tokens,
+            "cached_tokens": result.cached_tokens, "completion_tokens": result.completion_tokens,
+            "finish_reason": result.finish_reason, "error": result.error,
+        })
+        entry.remaining -= 1
+        entry.failed |= result.finish_reason == "error"
+        if entry.remaining == 0:
+            del self.pending[result.id]
+            self.rows += 1
+            self.error_rows += entry.failed
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
+    """Run the job; returns the metrics also written to `metrics.json`. Raises JobError for job-level errors."""
+    with contextlib.ExitStack() as resources:  # tensor-parallel workers live as long as the run
+        return _run(cfg, stdout or sys.stdout, resources)
+
+
+def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    source = ParquetSource(cfg.input.path)
+    types = source.check_columns(column_specs(cfg))
+    id_type = _id_type(source, cfg.input.id_column, types)
+    log.info("input: %d rows in %d files", source.total_rows, len(source.shards))
+    passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
+    schema = result_schema(id_type or pa.string(), passthrough, cfg.output.token_ids, cfg.sampling.logprobs > 0)
+    model_path = _model_path(cfg)
+    if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
+        import torch
+
+        from pipeline.engine.tp_runner import serve_as_torchrun_worker
+
+        if serve_as_torchrun_worker(model_path, getattr(torch, cfg.model.dtype), cfg.engine.device,
+                                    tensor_parallel=cfg.engine.tensor_parallel):
+            return {"rows": 0, "status": "tensor-parallel worker"}
+    fingerprint = cfg.fingerprint()
+    metadata = {"pipeline.model": cfg.model.name, "pipeline.model_path": model_path,
+                "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
+    sink = ParquetSink(cfg.output.path, schema, metadata, cfg.output.compression)
+    stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
+    # Until the prefix planner sorts rows inside bounded windows, a window is one unit (see units.py).
+    checkpoint = Checkpoint(cfg.output.path, source, rows_per_part=cfg.output.rows_per_part,
+                            window_rows=cfg.output.rows_per_part, num_shards=cfg.runtime.num_shards,
+                            shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
+                            stop=stop)
+    status = checkpoint.start(job_fingerprint(cfg.resolved, model_path), cfg.output.mode)
+    resources.callback(checkpoint.close)  # releases the lease, also on errors and interruptions
+    if status != "run":  # nothing left to do: no model load
+        done = status == "complete" or checkpoint.finish()
+        print(f"{checkpoint.shard_label}nothing to do: "
+              f"{'the output is complete' if done else 'this shard is done; other shards are not'}",
+              file=stdout, flush=True)
+        return {"rows": 0, "status": status, "complete": done}
+
+    import torch
+
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.tp_runner import open_model
+
+    try:
+        loaded = resources.enter_context(open_model(
+            model_path, getattr(torch, cfg.model.dtype), cfg.engine.device, tensor_parallel=cfg.engine.tensor_parallel
+        ))
+    except (OSError, ValueError, KeyError) as e:
+        raise JobError(f"cannot load model {model_path}: {e}") from None
+    try:
+        engine = Engine(loaded, cfg.engine)
+    except ValueError as e:
+        raise JobError(str(e)) from None
+    t_loaded = time.perf_counter()
+    log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
+
+    builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len)
+    writer = UnitWriter(checkpoint, sink, cfg.sampling.n)
+    progress = make_progress(cfg.progress.mode, checkpoint.todo_rows, cfg.progress.log_every_s, stdout, log.info)
+    state = _Run(cfg, checkpoint, writer, builder, cfg.input.id_column if id_type else None, progress)
+    stats = engine.stats
+    for result in engine.generate(state.requests()):
+        state.accept(result)
+        progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens,
+                                 len(engine.scheduler.running)))
+    progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens, 0))
+    progress.close()
+    if writer.committed_units < len(checkpoint.todo):
+        # Only a stop request ends admission early; the units it left open are redone on resume.
+        raise Interrupted(f"{stop.reason or 'stopped'}: {writer.committed_units} of {len(checkpoint.todo)} "
+                          "units committed; run the same command again to resume")
+    t_end = time.perf_counter()
+
+    generate_s = t_end - t_loaded
+    metrics = {
+        "rows": state.rows,
+        "output_rows": writer.rows_written,
+        "error_rows": state.error_rows,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_tokens": stats.cached_tokens,
+        "computed_prompt_tokens": stats.prefill_tokens,
+        "generated_tokens": stats.decode_tokens,
+        "wall_time_s": t_end - t_start,
+        "model_load_s": t_loaded - t_start,
+        "generate_time_s": generate_s,
+        "generated_tokens_per_s": stats.decode_tokens / generate_s,
+        "total_tokens_per_s": (stats.prefill_tokens + stats.decode_tokens) / generate_s,
+        "mean_batch": stats.mean_running_batch,
+        "steps": stats.steps,
+        "preemptions": stats.preemptions,
+        "peak_memory_bytes": _peak_rss_bytes(),
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        "weight_bytes": loaded.weight_bytes,
+        "weight_bytes_read_per_step": loaded.bytes_read_per_token,
+        "weight_read_bandwidth_gb_s": (loaded.bytes_read_per_token * stats.steps / stats.model_time / 1e9
+                                       if stats.model_time else 0.0),
+        "engine": stats.as_dict(),
+        "model": {"name": cfg.model.name, "path": model_path, "loaded_name": loaded.name,
+                  "dtype": cfg.model.dtype},
+        "units_committed": writer.committed_units,
+        "units_done_before": len(checkpoint.mine) - len(checkpoint.todo),
+        "shard": {"index": checkpoint.shard_index, "count": checkpoint.num_shards},
+        "config_fingerprint": fingerprint,
+        "version": __version__,
+        "config": cfg.resolved,
+    }
+    sink.finish(metrics, "metrics.json" if checkpoint.num_shards == 1 else
+                f"metrics-shard-{checkpoint.shard_index:05d}-of-{checkpoint.num_shards:05d}.json")
+    if not checkpoint.finish():  # `_SUCCESS` once every shard's units are committed
+        log.info("%sdone; the output is complete when the other shards are", checkpoint.shard_label)
+    print(summary(metrics), file=stdout, flush=True)
+    return metrics

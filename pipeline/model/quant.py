@@ -1,0 +1,314 @@
+"""Weight-only quantized linears (int8, int4, GGUF blocks) swapped in for the model's ParallelLinear.
+
+Schemes (`model.quant`):
+- int8: symmetric, one scale per output channel, round-to-nearest from float weights (W8A16).
+- int4: asymmetric, one (scale, min) per group of `group_size` inputs, round-to-nearest (W4A16).
+- gguf: the checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks, rearranged but never re-quantized; dequantized
+  they equal `gguf.quants.dequantize` bit for bit.
+Embeddings and the LM head stay in the model dtype (see docs/readme/quant.md for the measured cost).
+
+Tensor parallelism: each rank quantizes (or takes the blocks of) its own shard. A row-parallel shard
+splits the inputs, so its boundaries must fall on group boundaries; otherwise construction fails with
+an error naming the layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kernels.dispatch import packed_matmul, wq_matmul
+from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, pack_for_cpu
+from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
+from pipeline.model.layers import ParallelLinear
+
+SCHEMES = ("none", "int8", "int4", "gguf")
+GROUP_SIZES = (32, 64, 128)
+GGUF_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized weight [N, K] in the kernels' format (`kernels.wq_reference`); `narrow` shards it
+    like a tensor so `ParallelLinear.shard_of` works unchanged."""
+
+    bits: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, cols = self.qweight.shape
+        return n, cols * (2 if self.bits == 4 else 1)
+
+    @property
+    def group_size(self) -> int:
+        return group_size_of(self.shape[1], self.scales)
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        if dim == 0:
+            return QuantizedTensor(
+                self.bits,
+                self.qweight.narrow(0, start, length),
+                self.scales.narrow(0, start, length),
+                None if self.mins is None else self.mins.narrow(0, start, length),
+            )
+        g, k = self.group_size, self.shape[1]
+        if g == k:  # one group per row: any slice of inputs keeps the row's scale (and min)
+            per_byte = 2 if self.bits == 4 else 1
+            if start % per_byte or length % per_byte:
+                raise ValueError(f"int4 shard [{start}, {start + length}) splits a packed byte")
+            q = self.qweight.narrow(1, start // per_byte, length // per_byte)
+            return QuantizedTensor(self.bits, q, self.scales, self.mins)
+        if start % g or length % g:
+            raise ValueError(
+                f"tensor-parallel shard of inputs [{start}, {start + length}) does not fall on the "
+                f"quantization group boundaries (group size {g}); use a group size dividing {length}"
+            )
+        per_byte = 2 if self.bits == 4 else 1
+        return QuantizedTensor(
+            self.bits,
+            self.qweight.narrow(1, start // per_byte, length // per_byte),
+            self.scales.narrow(1, start // g, length // g),
+            None if self.mins is None else self.mins.narrow(1, start // g, length // g),
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.mins, self.bits)
+
+
+def quantize_tensor(w: torch.Tensor, scheme: str, group_size: int) -> QuantizedTensor:
+    """Round-to-nearest quantization of a float weight [N, K] (int8: per channel; int4: per group)."""
+    if scheme == "int8":
+        q, s = quantize_int8(w)
+        return QuantizedTensor(8, q, s, None)
+    if scheme == "int4":
+        q, s, m = quantize_int4(w, group_size)
+        return QuantizedTensor(4, q, s, m)
+    raise ValueError(f"cannot quantize float weights with scheme {scheme!r} (int8 or int4)")
+
+
+def from_gguf_blocks(blocks: np.ndarray, qtype, shape: tuple[int, ...], name: str = "tensor") -> QuantizedTensor:
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks [N, bytes per row] -> QuantizedTensor (group 32), no re-quantizing.
+
+    Q4_1 block: fp16 d, fp16 m, 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31
+    (w = d q + m). Q4_0: fp16 d, 16 such bytes (w = d (q - 8), stored as min = -8 d: exact in fp16 and
+    in the float32 arithmetic). Q8_0: fp16 d, 32 int8 (w = d q).
+    """
+    from gguf import GGMLQuantizationType as T
+
+    n, k = shape
+    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0) or k % GGUF_BLOCK:
+        raise ValueError(
+            f"{name}: GGUF type {getattr(qtype, 'name', qtype)} with shape {shape} cannot be used as is "
+            "(supported: Q4_0, Q4_1, Q8_0); load with quant=int8, int4 or none instead"
+        )
+    # np.array copies: the file's memory map is read-only.
+    raw = torch.from_numpy(np.array(blocks)).view(n, k // GGUF_BLOCK, -1)
+    d = raw[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    if qtype == T.Q8_0:
+        q = raw[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+        return QuantizedTensor(8, q, d.clone(), None)
+    body = raw[..., 4:] if qtype == T.Q4_1 else raw[..., 2:]
+    q = torch.cat((body & 0xF, body >> 4), dim=-1).reshape(n, k)  # weights 0..15 then 16..31 per block
+    mins = raw[..., 2:4].contiguous().view(torch.float16)[..., 0].clone() if qtype == T.Q4_1 else d * -8
+    return QuantizedTensor(4, pack_int4(q), d.clone(), mins)
+
+
+class QuantLinear(ParallelLinear):
+    """A ParallelLinear whose weight is stored quantized; sharding, fusion and bias are inherited.
+
+    Buffers `qweight`, `scales`, `mins` hold this rank's rows in the kernels' format and are allocated by
+    the first part loaded (so GGUF blocks decide bits and group). `pack_for_cpu()` converts them once for
+    torch's CPU kernels (bfloat16 activations) and frees the original layout.
+    """
+
+    def __init__(self, linear: ParallelLinear, scheme: str, group_size: int):
+        full_in = linear.in_features * (linear.tp.size if linear.shard_dim == 1 else 1)
+        device = linear.weight.device
+        with torch.device(device):
+            super().__init__(
+                full_in, linear.output_sizes, linear.shard_dim, linear.bias is not None, linear.tp, linear.weight.dtype
+            )
+        del self.weight
+        self.device = device
+        if scheme not in SCHEMES[1:]:
+            raise ValueError(f"quant scheme {scheme!r} is not one of {SCHEMES[1:]}")
+        group = GGUF_BLOCK if scheme == "gguf" else group_size
+        if scheme != "int8" and self.in_features % group:
+            raise ValueError(
+                f"{self.in_features} input features per rank (tensor_parallel={self.tp.size}) are not a "
+                f"multiple of the quantization group size {group}"
+            )
+        self.scheme = scheme
+        self.group_size = group_size
+        self.bits = 0
+        for buffer in ("qweight", "scales", "mins"):
+            self.register_buffer(buffer, None)
+        self.cpu_packed: CpuPacked | None = None
+        self.rows_loaded = 0
+
+    def _allocate(self, part: QuantizedTensor) -> None:
+        rows, dev = self.out_features, self.device
+        self.bits = part.bits
+        self.register_buffer("qweight", part.qweight.new_empty(rows, part.qweight.shape[1], device=dev))
+        self.register_buffer("scales", part.scales.new_empty(rows, part.scales.shape[1], device=dev))
+        if part.mins is not None:
+            self.register_buffer("mins", part.mins.new_empty(rows, part.mins.shape[1], device=dev))
+
+    def load(self, full, shard_id: int = 0, is_bias: bool = False) -> None:
+        """Load part `shard_id` from a full float tensor (quantized here) or a QuantizedTensor (GGUF)."""
+        if is_bias:
+            super().load(full, shard_id, is_bias)
+            return
+        if isinstance(full, torch.Tensor) and self.shard_dim == 1 and self.tp.size > 1:
+            # Row-parallel: quantize whole rows, then shard, so per-row int8 scales match one rank's exactly.
+            part = self.shard_of(quantize_tensor(full, self.scheme, self.group_size), shard_id)
+        elif isinstance(full, torch.Tensor):
+            part = quantize_tensor(self.shard_of(full, shard_id), self.scheme, self.group_size)
+        elif self.scheme != "gguf":
+            raise TypeError(f"quant={self.scheme} quantizes float weights itself; got pre-quantized blocks")
+        else:
+            part = self.shard_of(full, shard_id)
+        if self.qweight is None:
+            self._allocate(part)
+        same = (
+            part.bits == self.bits
+            and part.scales.shape[1] == self.scales.shape[1]
+            and part.scales.dtype == self.scales.dtype
+            and (part.mins is None) == (self.mins is None)
+        )
+        if not same:
+            raise ValueError("fused parts of one linear (e.g. q, k, v) must share one quantization format")
+        start, n = self.local_rows(shard_id)
+        self.qweight.narrow(0, start, n).copy_(part.qweight)
+        self.scales.narrow(0, start, n).copy_(part.scales)
+        if part.mins is not None:
+            self.mins.narrow(0, start, n).copy_(part.mins)
+        self.rows_loaded += n
+
+    def quantize_from(self, weight: torch.Tensor) -> None:
+        """Quantize this rank's already-loaded float weight [out_features, in_features] as a whole."""
+        part = quantize_tensor(weight, self.scheme, self.group_size)
+        self._allocate(part)
+        self.qweight.copy_(part.qweight)
+        self.scales.copy_(part.scales)
+        if part.mins is not None:
+            self.mins.copy_(part.mins)
+        self.rows_loaded = self.out_features
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features] of this rank (bit-exact: what the reference path uses)."""
+        if self.qweight is None:
+            raise RuntimeError("dequantize() needs the original layout (weights not loaded, or packed for CPU)")
+        return dequantize(self.qweight, self.scales, self.mins, self.bits)
+
+    def pack_for_cpu(self) -> bool:
+        """Convert to torch's CPU kernel layout (scales rounded to bfloat16) if one exists; True if done."""
+        if self.qweight is None or not cpu_supports(self.qweight, self.scales, self.mins, self.bits):
+            return False
+        packed = pack_for_cpu(self.qweight, self.scales, self.mins, self.bits)
+        self.qweight = self.scales = self.mins = None
+        self.register_buffer("packed_weight", packed.weight)
+        self.register_buffer("packed_scales", packed.scales)
+        self.cpu_packed = packed
+        return True
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.cpu_packed is not None:
+            y = packed_matmul(x, self.cpu_packed)
+        elif self.qweight is None:
+            raise RuntimeError("QuantLinear used before its weights were loaded")
+        else:
+            y = wq_matmul(x, self.qweight, self.scales, self.mins, self.bits)
+        return y if bias is None else y + bias
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, weights_loaded: bool) -> nn.Module:
+    """Swap every ParallelLinear of `model` for a QuantLinear (in place; returns the model).
+
+    weights_loaded=True quantizes the float weights already in the model (int8/int4); False prepares
+    empty quantized linears for `model.load_weights` (the only way for gguf, which needs the file's blocks).
+    """
+    if scheme not in SCHEMES[1:]:
+        raise ValueError(f"model.quant={scheme!r} is not one of {SCHEMES}")
+    if scheme == "int4" and group_size not in GROUP_SIZES:
+        raise ValueError(f"model.quant_group_size={group_size} is not one of {GROUP_SIZES}")
+    if scheme == "gguf" and weights_loaded:
+        raise ValueError("quant=gguf takes the checkpoint's blocks: swap before loading (weights_loaded=False)")
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is ParallelLinear]
+    for name, linear in targets:
+        try:
+            quant = QuantLinear(linear, scheme, group_size)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+        if weights_loaded:
+            quant.quantize_from(linear.weight.data)
+            if linear.bias is not None:
+                quant.bias.data.copy_(linear.bias.data)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, quant)
+    return model
+
+
+def check_loaded(model: nn.Module) -> None:
+    """Raise naming the first quantized linear that did not receive all of its rows."""
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear) and m.rows_loaded != m.out_features:
+            raise ValueError(f"{name}: checkpoint provided {m.rows_loaded} of {m.out_features} weight rows")
+
+
+def pack_model_for_cpu(model: nn.Module) -> int:
+    """Convert every quantized linear that torch's CPU kernels support; returns how many were converted."""
+    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights of the model's linear layers (quantized or float), biases excluded."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+        elif isinstance(m, ParallelLinear):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def _is_linear_weight(hf_name: str) -> bool:
+    return ".layers." in hf_name and hf_name.endswith("_proj.weight")
+
+
+def gguf_quantized_tensors(ckpt) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(HF name, tensor) pairs of a GGUFCheckpoint: linear weights as QuantizedTensor (their blocks),
+    everything else (embeddings, norms) dequantized to float32 by the `gguf` package."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    for name, raw in ckpt.raw_hf_tensors():
+        if _is_linear_weight(name):
+            yield name, from_gguf_blocks(raw.blocks, raw.qtype, raw.shape, name)
+        else:
+            yield name, torch.from_numpy(np.array(gguf_dequantize(raw.blocks, raw.qtype)).reshape(raw.shape))
+
+
+def load_quantized(model: nn.Module, ckpt, scheme: str, group_size: int = 32) -> None:
+    """Swap the linears for `scheme` and load `ckpt` (a GGUFCheckpoint or HFCheckpoint) into them.
+
+    A bfloat16 model on CPU is then converted for torch's CPU kernels (the fast path there); float32
+    keeps the exact layout and computes with the dequantized weights.
+    """
+    quantize_model(model, scheme, group_size, weights_loaded=False)
+    if scheme == "gguf":
+        if not hasattr(ckpt, "raw_hf_tensors"):
+            raise ValueError(f"{ckpt.path}: quant=gguf needs a GGUF checkpoint (use int8 or int4 here)")
+        tensors: Iterable = gguf_quantized_tensors(ckpt)
+    else:
+        tensors = ckpt.tensors(torch.float32)
+    model.load_weights(tensors)
+    check_loaded(model)
+    if model.dtype == CPU_ACTIVATION_DTYPE and model.norm.weight.device.type == "cpu":
+        pack_model_for_cpu(model)

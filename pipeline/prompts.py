@@ -1,0 +1,146 @@
+"""One input row -> prompt token ids and sampling parameters, or the reason it cannot run.
+
+Every problem with a single row (null or empty prompt, malformed messages, unknown role, a prompt too long
+for the model, a bad per-row sampling value) becomes an error string here, never an exception: one bad
+row must not stop a run of millions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pipeline.config import InputConfig
+from pipeline.engine.request import SamplingParams
+
+ROLES = ("system", "user", "assistant")
+
+
+class ChatTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass
+class Prepared:
+    """A row ready for the engine (`token_ids`, `sampling`) or rejected (`error`)."""
+
+    token_ids: list[int] | None
+    sampling: SamplingParams | None
+    error: str | None = None
+    prompt_tokens: int = 0  # tokens of the (possibly truncated) prompt; known for over-long rows too
+
+
+class RowError(ValueError):
+    """Why one row cannot run (caught by `PromptBuilder.prepare`, written as the row's `error`)."""
+
+
+def _parse_messages(value: Any) -> list[dict]:
+    """Check a messages cell (list of {role, content}, or that list as a JSON string)."""
+    if value is None:
+        raise RowError("messages is null")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RowError(f"malformed messages: not valid JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(value, list):
+        raise RowError(f"malformed messages: expected a list of {{role, content}}, got {type(value).__name__}")
+    if not value:
+        raise RowError("messages is an empty list")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise RowError(f"malformed messages: item {i} has no role")
+        if m["role"] not in ROLES:
+            raise RowError(f"unknown role {m['role']!r} in message {i}; expected one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise RowError(f"malformed messages: item {i} ({m['role']}) has no text content")
+        messages.append({"role": m["role"], "content": m["content"]})
+    if all(not m["content"].strip() for m in messages):
+        raise RowError("messages have only empty content")
+    return messages
+
+
+class PromptBuilder:
+    """Applies the input section of the config to rows, with the model's tokenizer and length limit."""
+
+    def __init__(self, tokenizer: ChatTokenizer, inp: InputConfig, sampling: SamplingParams,
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.inp = inp
+        self.sampling = sampling
+        self.max_model_len = max_model_len
+
+    def prepare(self, row: Mapping[str, Any]) -> Prepared:
+        """The row's prompt and sampling, or an error row's reason (never raises for bad row content)."""
+        tokens: list[int] = []
+        try:
+            sampling = self._sampling(row)
+            tokens = self._encode(self._text(row))
+            fitted = self._fit(tokens, sampling.max_tokens)
+        except RowError as e:
+            return Prepared(None, None, str(e), len(tokens))
+        return Prepared(fitted, sampling, None, len(fitted))
+
+    def _sampling(self, row: Mapping[str, Any]) -> SamplingParams:
+        overrides = {k: row[k] for k in self.inp.sampling_columns if row.get(k) is not None}
+        if not overrides:
+            return self.sampling
+        for key in ("max_tokens", "seed"):  # integer columns read from float Parquet columns
+            v = overrides.get(key)
+            if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+                overrides[key] = int(v)
+        try:
+            return dataclasses.replace(self.sampling, **overrides)
+        except ValueError as e:
+            raise RowError(f"bad per-row sampling override: {e}") from None
+
+    def _text(self, row: Mapping[str, Any]) -> str:
+        inp = self.inp
+        system = [{"role": "system", "content": inp.system_prompt}] if inp.system_prompt else []
+        if inp.messages_column:
+            messages = _parse_messages(row.get(inp.messages_column))
+            if messages[0]["role"] != "system":
+                messages = system + messages
+            return self._render(messages)
+        prompt = row.get(inp.prompt_column)
+        if prompt is None:
+            raise RowError(f"prompt is null (column {inp.prompt_column!r})")
+        if not isinstance(prompt, str):
+            raise RowError(f"prompt is not text: {type(prompt).__name__}")
+        if not prompt.strip():
+            raise RowError(f"prompt is empty (column {inp.prompt_column!r})")
+        if inp.chat_template:
+            return self._render([*system, {"role": "user", "content": prompt}])
+        return f"{inp.system_prompt}\n\n{prompt}" if inp.system_prompt else prompt
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # the model's own Jinja template may reject a conversation
+            raise RowError(f"chat template failed: {e}") from None
+
+    def _encode(self, text: str) -> list[int]:
+        tokens = self.tokenizer.encode(text)
+        if not tokens:
+            raise RowError("prompt encodes to no tokens")
+        return tokens
+
+    def _fit(self, tokens: list[int], max_tokens: int) -> list[int]:
+        room = self.max_model_len - max_tokens
+        if room < 1:
+            raise RowError(f"max_tokens={max_tokens} leaves no room for a prompt in max_model_len={self.max_model_len}")
+        if len(tokens) <= room:
+            return tokens
+        if self.inp.truncate == "left":
+            return tokens[-room:]
+        raise RowError(
+            f"prompt has {len(tokens)} tokens; max_model_len={self.max_model_len} - max_tokens={max_tokens} "
+            f"allows {room} (input.truncate=left keeps the last {room})"
+        )

@@ -1,0 +1,115 @@
+"""Checkpoint.rows streams exactly the rows still to do, unit by unit; UnitWriter commits complete units."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from pipeline.checkpoint import Checkpoint, UnitWriter, job_fingerprint
+from pipeline.io.sink import ParquetSink
+from pipeline.io.source import ParquetSource
+from pipeline.signals import GracefulStop
+from tests.checkpoint.jobs import read_output, write_prompts
+
+FP = {"model": {"path": "m"}}
+
+
+@pytest.fixture
+def source(tmp_path) -> ParquetSource:
+    # 3 files (7, 0 and 6 rows), read in batches of 4: windows cross files and batches.
+    write_prompts(tmp_path / "in" / "a.parquet", [{"id": i, "prompt": f"p{i}"} for i in range(7)])
+    write_prompts(tmp_path / "in" / "b.parquet", [], pa.schema([("id", pa.int64()), ("prompt", pa.string())]))
+    write_prompts(tmp_path / "in" / "c.parquet", [{"id": 7 + i, "prompt": f"p{7 + i}"} for i in range(6)])
+    return ParquetSource(str(tmp_path / "in"))
+
+
+def checkpoint(source, out, stop=None, **kw) -> Checkpoint:
+    args = {"rows_per_part": 2, "window_rows": 5, "num_shards": None, "shard_index": None, "lease_timeout_s": 30}
+    return Checkpoint(str(out), source, stop=stop or GracefulStop(10), **{**args, **kw})
+
+
+def streamed(cp: Checkpoint) -> list[tuple[str, int, str, int, int]]:
+    return [(u.id, pos, shard.name, row_index, row["id"]) for u, pos, shard, row_index, row in cp.rows(["id"], 4)]
+
+
+def test_rows_follow_units_and_windows(source, tmp_path):
+    cp = checkpoint(source, tmp_path / "out")
+    assert cp.start(FP, "resume") == "run"
+    rows = streamed(cp)
+    assert [r[4] for r in rows] == list(range(13))
+    # windows of 5 rows (the third has 3), units of 2 inside them: 2+2+1 | 2+2+1 | 2+1
+    assert [r[0] for r in rows] == ["000000"] * 2 + ["000001"] * 2 + ["000002"] + ["000003"] * 2 + [
+        "000004"] * 2 + ["000005"] + ["000006"] * 2 + ["000007"]
+    assert rows[7] == ("000004", 0, "c.parquet", 0, 7)  # row positions inside their own file
+    cp.close()
+
+
+def test_committed_units_are_skipped_and_shards_get_their_own(source, tmp_path):
+    out = tmp_path / "out"
+    cp = checkpoint(source, out)
+    cp.start(FP, "resume")
+    sink = ParquetSink(str(out), pa.schema([("id", pa.int64()), ("sample_index", pa.int32())]), {})
+    writer = UnitWriter(cp, sink, samples=2)
+    for unit, pos, _, _, row in cp.rows(["id"], 4):
+        if unit.id in ("000001", "000006"):
+            for s in (1, 0):  # samples arrive out of order; the part is sorted
+                writer.add(unit, pos, {"id": row["id"], "sample_index": s})
+    cp.close()
+    assert writer.committed_units == 2 and not writer.open
+    assert [(r["id"], r["sample_index"]) for r in read_output(str(out))] == [
+        (10, 0), (10, 1), (11, 0), (11, 1), (2, 0), (2, 1), (3, 0), (3, 1)]  # sorted by str(id)
+
+    again = checkpoint(source, out)
+    again.start(FP, "resume")
+    assert [r[4] for r in streamed(again)] == [0, 1, 4, 5, 6, 7, 8, 9, 12]
+    again.close()
+    shard = checkpoint(source, out, num_shards=2, shard_index=1)  # units 4..7, 6 committed
+    shard.start(FP, "resume")
+    assert [u.id for u in shard.todo] == ["000004", "000005", "000007"]
+    assert [r[4] for r in streamed(shard)] == [7, 8, 9, 12]
+    shard.close()
+
+
+def test_rows_stop_when_a_stop_is_requested(source, tmp_path):
+    stop = GracefulStop(10)
+    cp = checkpoint(source, tmp_path / "out", stop=stop)
+    cp.start(FP, "resume")
+    got = []
+    for _, _, _, _, row in cp.rows(["id"], 4):
+        got.append(row["id"])
+        if len(got) == 3:
+            stop.request_stop("test")
+    assert got == [0, 1, 2]
+    cp.close()
+
+
+def test_a_lost_lease_refuses_to_commit(source, tmp_path):
+    from pipeline.io.lease import LeaseHeld
+
+    out = tmp_path / "out"
+    cp = checkpoint(source, out)
+    cp.start(FP, "resume")
+    writer = UnitWriter(cp, ParquetSink(str(out), pa.schema([("id", pa.int64())]), {}), samples=1)
+    cp.lease.lost = "lease taken over by host x"
+    unit, pos, _, _, row = next(cp.rows(["id"], 4))
+    writer.add(unit, pos, {"id": row["id"]})
+    with pytest.raises(LeaseHeld, match="not committing unit 000000: lease taken over"):
+        writer.add(unit, pos + 1, {"id": 1})
+    cp.close()
+
+
+def test_fingerprint_ignores_speed_settings_but_not_results_settings(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"1234")
+    resolved = {"model": {"name": "x", "path": str(model), "dtype": "float32"}, "sampling": {"max_tokens": 4},
+                "input": {"path": "a/*.parquet", "batch_rows": 1024, "prompt_column": "prompt"},
+                "engine": {"max_batch_size": 64, "max_model_len": None, "seed": 0}, "output": {"token_ids": False}}
+    base = job_fingerprint(resolved, str(model))
+    assert base["model"]["bytes"] == 4
+    faster = {**resolved, "engine": {**resolved["engine"], "max_batch_size": 8},
+              "input": {**resolved["input"], "path": "./a/*.parquet", "batch_rows": 8}}
+    assert job_fingerprint(faster, str(model)) == base
+    reseeded = {**resolved, "engine": {**resolved["engine"], "seed": 1}}
+    assert job_fingerprint(reseeded, str(model)) != base
+    model.write_bytes(b"12345")  # weights replaced at the same path
+    assert job_fingerprint(resolved, str(model)) != base

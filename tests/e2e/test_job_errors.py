@@ -1,0 +1,131 @@
+"""Job-level errors: a clear message naming the file, column or key, before the model loads.
+
+In-process for each kind of mistake; as a subprocess for what the user sees (exit status, one line on
+stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_job_config
+from pipeline.errors import JobError
+from pipeline.job import run
+from tests.test_config import compose_job
+
+REPO = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"], "count": [3, 4]}), d / "good.parquet")
+    return d
+
+
+def fails(tmp_path, *overrides) -> str:
+    cfg = load_job_config(compose_job(f"output.path={tmp_path}/out", *overrides))
+    with pytest.raises(JobError) as e:
+        run(cfg)
+    return str(e.value)
+
+
+def test_no_file_matches(tmp_path):
+    assert fails(tmp_path, f"input.path={tmp_path}/nothing/*.parquet") == (
+        f"input.path '{tmp_path}/nothing/*.parquet' matches no files")
+
+
+def test_corrupt_parquet(tmp_path, inputs):
+    (inputs / "bad.parquet").write_bytes(b"definitely not parquet")
+    assert fails(tmp_path, f"input.path={inputs}").startswith("cannot read Parquet file bad.parquet: ")
+
+
+def test_missing_prompt_column_lists_the_available_ones(tmp_path, inputs):
+    assert fails(tmp_path, f"input.path={inputs}", "input.prompt_column=question") == (
+        "good.parquet: no column 'question' (set by input.prompt_column); available columns: id, prompt, count")
+
+
+def test_missing_passthrough_column(tmp_path, inputs):
+    assert "no column 'lang' (set by input.passthrough_columns)" in fails(
+        tmp_path, f"input.path={inputs}", "input.passthrough_columns=[lang]")
+
+
+@pytest.mark.parametrize("override, words", [
+    ("input.prompt_column=count", "column 'count' (input.prompt_column) has type int64, expected string"),
+    ("input.messages_column=prompt", None),  # JSON text is a valid messages column
+    ("input.messages_column=count", "column 'count' (input.messages_column) has type int64, expected list<struct"),
+])
+def test_wrong_column_type(tmp_path, inputs, override, words):
+    if words is None:  # reaches the model check instead
+        assert "model file not found" in fails(tmp_path, f"input.path={inputs}", override, "model.path=/no.gguf")
+    else:
+        assert words in fails(tmp_path, f"input.path={inputs}", override)
+
+
+def test_wrong_sampling_column_type(tmp_path):
+    pq.write_table(pa.table({"prompt": ["a"], "temperature": ["hot"]}), tmp_path / "t.parquet")
+    assert "column 'temperature' (input.sampling_columns) has type string, expected a number" in fails(
+        tmp_path, f"input.path={tmp_path}/t.parquet")
+
+
+def test_missing_model_file_fails_before_loading(tmp_path, inputs):
+    start = time.perf_counter()
+    assert fails(tmp_path, f"input.path={inputs}", "model.path=/models/nope.gguf") == (
+        "model file not found: model.path='/models/nope.gguf'")
+    assert time.perf_counter() - start < 5
+
+
+def test_id_column_in_some_files_only(tmp_path, inputs):
+    pq.write_table(pa.table({"prompt": ["c"]}), inputs / "other.parquet")
+    assert fails(tmp_path, f"input.path={inputs}") == (
+        "other.parquet: no id column 'id' (input.id_column) although good.parquet has one")
+
+
+def test_output_path_is_a_file(tmp_path, inputs):
+    (tmp_path / "out").write_text("")
+    assert "is a file" in fails(tmp_path, f"input.path={inputs}")
+
+
+def cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("args, status, words", [
+    (["input.path=nowhere/*.parquet"], 2, "error: input.path 'nowhere/*.parquet' matches no files"),
+    (["sampling.temperature=-2"], 2, "error: invalid config `sampling`: invalid sampling parameters: "
+                                     "temperature must be a finite number >= 0, got -2"),
+    (["sampling.tempreature=0.5"], 1, "Key 'tempreature' not in 'SamplingSection'"),
+    (["conf=missing.yaml"], 2, "error: job file not found: conf=missing.yaml"),
+])
+def test_cli_prints_one_clear_message(tmp_path, args, status, words):
+    done = cli(*args, cwd=tmp_path)
+    assert done.returncode == status, done.stderr
+    assert words in done.stderr and "Traceback" not in done.stderr + done.stdout
+    if status == 2:
+        assert done.stderr.strip().count("\n") == 0  # one line
+
+
+@pytest.mark.slow
+def test_cli_job_file_then_overrides(tmp_path, tiny_model_dir):
+    """`conf=job.yaml` merges over the defaults; command-line overrides win over the file."""
+    pq.write_table(pa.table({"id": [7, 8, 9], "prompt": ["a", "b", "c"]}), tmp_path / "in.parquet")
+    (tmp_path / "job.yaml").write_text(
+        f"input:\n  path: {tmp_path}/in.parquet\noutput:\n  path: {tmp_path}/out\n"
+        f"model:\n  path: {tiny_model_dir}\n  name: tiny\n"
+        "sampling:\n  max_tokens: 3\n  ignore_eos: true\nengine:\n  kv_cache_memory: 16MiB\n"
+        "progress:\n  log_every_s: 0.001\n")
+    done = cli(f"conf={tmp_path}/job.yaml", "sampling.max_tokens=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    df = pl.read_parquet(tmp_path / "out" / "*.parquet").sort("id")
+    assert df["id"].to_list() == [7, 8, 9] and df["completion_tokens"].to_list() == [2, 2, 2]
+    assert pq.read_metadata(next((tmp_path / "out").glob("part-*.parquet"))).metadata[b"pipeline.model"] == b"tiny"
+    assert "rows 3/3 (100.0%)" in done.stdout  # not a terminal: log lines, not a bar

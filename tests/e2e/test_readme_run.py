@@ -1,0 +1,35 @@
+"""The README's quick-start command, as a user runs it: a subprocess on the real SmolLM2 and data/sample."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_readme_command_on_smollm2(tmp_path, smollm2_path):
+    out = tmp_path / "run1"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", "input.path=data/sample/*.parquet", f"output.path={out}",
+         "model=smollm2-135m", "sampling.max_tokens=4", "sampling.temperature=0", "engine.max_batch_size=64",
+         f"hydra.run.dir={tmp_path}/hydra"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = pl.read_parquet(out / "*.parquet")
+    want = pl.read_parquet(REPO / "data/sample/*.parquet")
+    assert sorted(got["id"].to_list()) == sorted(want["id"].to_list())  # every row once, same ids
+    assert got["error"].null_count() == len(got) and (got["completion_tokens"] >= 1).all()
+    assert got["text"].str.len_chars().sum() > 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["rows"] == len(want) and metrics["generated_tokens"] == got["completion_tokens"].sum()
+    # stdout is a pipe, not a terminal: plain progress lines, then the summary table
+    assert f"rows {len(want)}/{len(want)} (100.0%)" in done.stdout
+    assert "weight-read bw" in done.stdout

@@ -1,0 +1,226 @@
+"""Engine behaviour on a tiny random float32 Llama, against single-sequence references."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.request import Request, SamplingParams
+from pipeline.engine.sequence import sample_seed
+from tests.engine.conftest import CharTokenizer, TinyLoaded, random_prompts, reference_greedy
+
+
+def run(loaded, requests, **config) -> tuple[dict, Engine]:
+    engine = Engine(loaded, EngineConfig(**{"kv_cache_memory": "8MiB", **config}))
+    results = {(r.id, r.sample_index): r for r in engine.generate(requests)}
+    assert engine.kv.is_idle_whole()
+    return results, engine
+
+
+@pytest.mark.slow
+def test_batch_matches_alone_and_reference(tiny):
+    prompts = random_prompts(64, 2, 90, seed=10)
+    sp = SamplingParams(max_tokens=12)
+    batch, engine = run(tiny, [Request(i, p, sp) for i, p in enumerate(prompts)], max_batched_tokens=300)
+    assert engine.stats.mean_running_batch > 16
+    same_alone = same_ref = 0
+    for i, p in enumerate(prompts):
+        alone, _ = run(tiny, [Request(i, p, sp)])
+        same_alone += batch[i, 0].token_ids == alone[i, 0].token_ids
+        same_ref += batch[i, 0].token_ids == reference_greedy(tiny.model, p, 12)
+    assert same_alone >= 0.98 * len(prompts)
+    assert same_ref >= 0.98 * len(prompts)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_same_alone_and_in_batch(tiny):
+    prompts = random_prompts(64, 2, 40, seed=11)
+    sps = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i) for i in range(64)]
+    batch, _ = run(tiny, [Request(i, p, sps[i]) for i, p in enumerate(prompts)])
+    same = 0
+    for i, p in enumerate(prompts):
+        alone, _ = run(tiny, [Request(i, p, sps[i])])
+        same += batch[i, 0].token_ids == alone[i, 0].token_ids
+    assert same >= 0.98 * len(prompts)
+
+
+def test_chunked_prefill_keeps_decodes_running(tiny):
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batched_tokens=256, max_batch_size=64))
+    decoding = SamplingParams(max_tokens=100, ignore_eos=True)
+    for i, p in enumerate(random_prompts(32, 4, 20, seed=12)):
+        engine.add_request(Request(i, p, decoding))
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    decoders = list(engine.scheduler.running)
+    engine.add_request(Request("long", random_prompts(1, 2000, 2000, seed=13)[0], SamplingParams(max_tokens=2)))
+    long_steps = 0
+    while True:
+        before = [s.num_output_tokens for s in decoders]
+        engine.step()
+        long = [s for s in engine.scheduler.running if s.request_id == "long"]
+        assert [s.num_output_tokens for s in decoders] == [b + 1 for b in before]
+        long_steps += 1
+        if long and long[0].num_output_tokens > 0:
+            break
+    # 2000 tokens with 256 - 32 = 224 per step: the prefill is spread over 9 steps, decodes in every one.
+    assert long_steps == -(-2000 // (256 - 32))
+
+
+@pytest.mark.slow
+def test_tight_kv_budget_preempts_and_completes(tiny):
+    prompts = random_prompts(200, 4, 24, seed=14)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, float32
+    results, engine = run(
+        tiny, [Request(i, p, sp) for i, p in enumerate(prompts)],
+        kv_cache_memory=8 * block_bytes, max_model_len=40, max_batched_tokens=128,
+    )
+    assert engine.num_blocks == 8
+    assert engine.stats.preemptions > 0
+    roomy, _ = run(tiny, [Request(i, p, sp) for i, p in enumerate(prompts)])
+    same = sum(results[i, 0].token_ids == roomy[i, 0].token_ids for i in range(200))
+    assert same >= 0.98 * 200
+    assert all(len(results[i, 0].token_ids) == 10 for i in range(200))
+
+
+def test_max_tokens_stop_tokens_and_stop_strings(tiny):
+    prompt = random_prompts(1, 10, 10, seed=15)[0]
+    ref = reference_greedy(tiny.model, prompt, 30, eos=None)
+    res, _ = run(tiny, [Request("a", prompt, SamplingParams(max_tokens=7, ignore_eos=True))])
+    assert res["a", 0].token_ids == ref[:7] and res["a", 0].finish_reason == "length"
+    stop_token = ref[5]
+    cut = ref.index(stop_token)
+    res, _ = run(tiny, [Request("b", prompt, SamplingParams(max_tokens=30, stop_token_ids=(stop_token,)))])
+    assert res["b", 0].token_ids == ref[: cut + 1] and res["b", 0].finish_reason == "stop"
+    assert res["b", 0].text == CharTokenizer().decode(ref[:cut])
+    text = CharTokenizer().decode(ref)
+    stop = text[8:11]
+    res, _ = run(tiny, [Request("c", prompt, SamplingParams(max_tokens=30, stop=(stop, "never-there")))])
+    assert res["c", 0].text == text[: text.index(stop)]
+    assert res["c", 0].finish_reason == "stop"
+    assert len(res["c", 0].token_ids) == text.index(stop) + len(stop)
+
+
+def test_eos_and_ignore_eos(tiny):
+    prompt = random_prompts(1, 12, 12, seed=16)[0]
+    ref = reference_greedy(tiny.model, prompt, 20, eos=None)
+    eos = ref[3]
+    tokenizer = CharTokenizer()
+    tokenizer.eos_token_ids = (eos,)
+    loaded = TinyLoaded(tiny.model, tokenizer, tiny.config)
+    res, _ = run(loaded, [Request("e", prompt, SamplingParams(max_tokens=20)),
+                          Request("i", prompt, SamplingParams(max_tokens=20, ignore_eos=True))])
+    assert res["e", 0].token_ids == ref[: ref.index(eos) + 1] and res["e", 0].finish_reason == "stop"
+    assert res["i", 0].token_ids == ref and res["i", 0].finish_reason == "length"
+
+
+def test_n_samples_share_prefill_and_match_separate_requests(tiny):
+    prompt = random_prompts(1, 37, 37, seed=17)[0]  # 2 full blocks + a partial one to copy
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=4, ignore_eos=True)
+    res, engine = run(tiny, [Request("n", prompt, sp)], prefix_caching=False)
+    assert engine.stats.prefill_tokens == len(prompt)  # the prompt went through the model once
+    assert sorted(i for _, i in res) == [0, 1, 2, 3]
+    outs = [res["n", i].token_ids for i in range(4)]
+    assert len({tuple(o) for o in outs}) > 1
+    for i in range(4):
+        single = dataclasses.replace(sp, n=1, seed=sample_seed(5, i))
+        alone, _ = run(tiny, [Request("s", prompt, single)], prefix_caching=False)
+        assert alone["s", 0].token_ids == outs[i]
+    greedy, _ = run(tiny, [Request("g", prompt, SamplingParams(max_tokens=8, n=3, ignore_eos=True))])
+    ref = reference_greedy(tiny.model, prompt, 8, eos=None)
+    assert all(greedy["g", i].token_ids == ref for i in range(3))
+
+
+def test_invalid_requests_become_error_results(tiny):
+    requests = [
+        Request("empty", []),
+        Request("vocab", [1, 2, 999]),
+        Request("long", [1] * 64),
+        Request("params", [1, 2], {"temperature": -1}),
+        Request("ok", [1, 2], SamplingParams(max_tokens=3)),
+    ]
+    res, engine = run(tiny, requests, max_model_len=64)
+    for rid in ("empty", "vocab", "long", "params"):
+        assert res[rid, 0].finish_reason == "error" and rid in res[rid, 0].error
+    assert "max_model_len=64" in res["long", 0].error
+    assert "temperature" in res["params", 0].error
+    assert res["ok", 0].finish_reason in ("length", "stop")
+    assert engine.stats.errors == 4
+
+
+def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(tiny):
+    prefixes = random_prompts(4, 64, 64, seed=18)
+    questions = random_prompts(32, 3, 9, seed=19)
+    prompts = [prefixes[i % 4] + q for i, q in enumerate(questions)]
+    order = sorted(range(32), key=lambda i: prompts[i])  # what the planner does
+    sp = SamplingParams(max_tokens=6)
+    reqs = [Request(i, prompts[i], sp) for i in order]
+    on, engine_on = run(tiny, reqs, max_batched_tokens=512)
+    off, engine_off = run(tiny, reqs, max_batched_tokens=512, prefix_caching=False)
+    assert all(on[i, 0].token_ids == off[i, 0].token_ids for i in range(32))
+    unique = 4 * 64 + sum(len(q) for q in questions)
+    assert engine_off.stats.prefill_tokens == sum(len(p) for p in prompts)
+    # Each shared prefix is computed once (full blocks); questions and the partial tail are computed per row.
+    assert engine_on.stats.prefill_tokens <= unique + 32 * 16
+    assert engine_on.stats.cached_tokens == sum(on[i, 0].cached_tokens for i in range(32)) > 0
+    assert engine_on.stats.held > 0
+
+
+def test_generate_reads_requests_lazily(tiny):
+    pulled = []
+
+    def source():
+        for i, p in enumerate(random_prompts(100, 2, 6, seed=20)):
+            pulled.append(i)
+            yield Request(i, p, SamplingParams(max_tokens=3))
+
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB", max_batch_size=4, max_waiting=8))
+    stream = engine.generate(source())
+    first = next(stream)
+    assert first.id is not None and len(pulled) <= 4 + 8 + 1
+    assert len(list(stream)) == 99
+
+
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(kv_cache_memory="lots"), "kv_cache_memory"),
+        (dict(max_model_len=-3), "max_model_len"),
+        (dict(device="tpu"), "device"),
+    ],
+)
+def test_config_errors_name_the_key(bad, key):
+    with pytest.raises(ValueError, match=key):
+        EngineConfig(**bad)
+
+
+def test_kv_budget_too_small_for_max_model_len(tiny):
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        Engine(tiny, EngineConfig(kv_cache_memory="64KiB", max_model_len=4096))
+
+
+@pytest.mark.slow
+def test_rss_flat_over_many_short_requests(tiny):
+    import gc
+
+    import psutil
+
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB", max_batched_tokens=512))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def batch(offset: int, count: int):
+        for i, p in enumerate(random_prompts(count, 3, 12, seed=offset)):
+            yield Request(offset + i, p, sp)
+
+    assert sum(1 for _ in engine.generate(batch(0, 500))) == 500
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    assert sum(1 for _ in engine.generate(batch(10_000, 2000))) == 2000
+    gc.collect()
+    after = psutil.Process().memory_info().rss
+    assert after <= 1.05 * before, (before, after)
+    assert engine.kv.is_idle_whole()

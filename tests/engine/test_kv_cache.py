@@ -1,0 +1,133 @@
+"""Block accounting and the prefix cache: exact reuse, sound ref counts, a whole pool when idle."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.engine.kv_cache import KVCacheManager
+from pipeline.engine.request import SamplingParams
+from pipeline.engine.sequence import Sequence
+
+BS = 4
+
+
+def _seq(tokens: list[int], seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id, seq_id, 0, list(tokens), len(tokens), SamplingParams(), 0, None)
+
+
+def _run(kv: KVCacheManager, seq: Sequence) -> list[int]:
+    """Admit with the prefix match, compute everything, register: returns the matched blocks."""
+    matched = kv.match_prefix(seq)
+    kv.admit(seq, matched)
+    assert kv.allocate(seq, seq.num_tokens - seq.num_computed)
+    seq.num_computed = seq.num_tokens
+    kv.commit(seq)
+    return matched
+
+
+def test_allocate_release_accounting():
+    kv = KVCacheManager(5, BS)
+    a, b = _seq(list(range(1, 10))), _seq([7] * 8, 1)
+    assert kv.allocate(a, 9) and len(a.block_table) == 3
+    assert not kv.allocate(b, 9)  # needs 3, only 2 free: nothing taken
+    assert b.block_table == [] and kv.num_free == 2
+    assert kv.allocate(b, 8)
+    kv.release(a)
+    kv.release(b)
+    assert kv.is_idle_whole()
+
+
+def test_match_stops_short_of_the_last_token_and_reuses_only_equal_prefixes():
+    kv = KVCacheManager(16, BS)
+    first = _seq(list(range(1, 9)))  # exactly two blocks
+    assert _run(kv, first) == []
+    kv.release(first)
+    same = _seq(list(range(1, 9)), 1)
+    # The whole prompt is cached but the last token must be computed: only the first block matches.
+    assert len(kv.match_prefix(same)) == 1
+    longer = _seq(list(range(1, 9)) + [42], 2)
+    assert len(kv.match_prefix(longer)) == 2
+    differs_in_first = _seq([9, 2, 3, 4, 5, 6, 7, 8, 42], 3)
+    assert kv.match_prefix(differs_in_first) == []
+    differs_in_second = _seq([1, 2, 3, 4, 5, 6, 0, 8, 42], 4)
+    assert len(kv.match_prefix(differs_in_second)) == 1
+
+
+def test_prefix_caching_off_never_matches():
+    kv = KVCacheManager(8, BS, prefix_caching=False)
+    a = _seq(list(range(1, 10)))
+    _run(kv, a)
+    kv.release(a)
+    assert kv.match_prefix(_seq(list(range(1, 10)), 1)) == []
+
+
+def test_lru_evicts_least_recently_freed_cached_blocks_last_uncached_first():
+    kv = KVCacheManager(4, BS)
+    old, new = _seq([1] * 5), _seq([2] * 5, 1)
+    _run(kv, old)  # blocks: one full (cached) + one partial (not cached)
+    kv.release(old)
+    _run(kv, new)
+    kv.release(new)
+    taker = _seq([3] * 4, 2)
+    assert kv.allocate(taker, 4)  # takes a never-cached block first
+    assert kv.evictions == 0
+    assert kv.allocate(taker, 8)  # the second block takes the other uncached one
+    assert kv.evictions == 0
+    assert kv.allocate(taker, 12)  # now a cached block must go: the older one
+    assert kv.evictions == 1
+    assert kv.match_prefix(_seq([1] * 5, 3)) == []
+    assert len(kv.match_prefix(_seq([2] * 5, 4))) == 1
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    kv = KVCacheManager(8, BS)
+    parent = _seq(list(range(1, 7)))  # 1 full block + 2 tokens
+    _run(kv, parent)
+    child = _seq(parent.token_ids, 1)
+    copies = kv.fork(parent, child)
+    assert child.block_table[0] == parent.block_table[0]
+    assert copies == [(parent.block_table[1], child.block_table[1])]
+    assert kv.ref_count[parent.block_table[0]] == 2 and kv.ref_count[parent.block_table[1]] == 1
+    kv.release(parent)
+    kv.release(child)
+    assert kv.is_idle_whole()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=14), min_size=1, max_size=12),
+    num_blocks=st.integers(4, 12),
+    data=st.data(),
+)
+def test_cache_properties(prompts, num_blocks, data):
+    """Random admissions/releases: every hit holds exactly the tokens it stands for (recorded here
+    independently at registration), ref counts stay >= 0 and the pool is whole once all are released."""
+    kv = KVCacheManager(num_blocks, BS)
+    content: dict[int, tuple[int, ...]] = {}  # block -> full token prefix it completes, set on registration
+    live: list[Sequence] = []
+    for i, tokens in enumerate(prompts):
+        seq = _seq(tokens, i)
+        matched = kv.match_prefix(seq)
+        for j, block in enumerate(matched):
+            assert content[block] == tuple(tokens[: (j + 1) * BS])
+        assert len(matched) * BS <= len(tokens) - 1
+        needed = kv.blocks_needed(seq, len(tokens)) - len(matched)
+        reclaimed = sum(1 for b in matched if kv.ref_count[b] == 0)
+        if needed + reclaimed > kv.num_free:
+            continue
+        kv.admit(seq, matched)
+        assert kv.allocate(seq, len(tokens) - seq.num_computed)
+        seq.num_computed = len(tokens)
+        kv.commit(seq)
+        for j, block in enumerate(seq.block_table[: len(tokens) // BS]):
+            if kv.hash_of[block] is not None:
+                content[block] = tuple(tokens[: (j + 1) * BS])
+        live.append(seq)
+        assert all(c >= 0 for c in kv.ref_count)
+        assert sum(1 for c in kv.ref_count if c == 0) == kv.num_free
+        if live and data.draw(st.booleans()):
+            kv.release(live.pop(data.draw(st.integers(0, len(live) - 1))))
+    for seq in live:
+        kv.release(seq)
+    assert kv.is_idle_whole()

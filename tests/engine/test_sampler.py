@@ -1,0 +1,125 @@
+"""Sampler filters and draws against a plain per-row reference written independently here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.engine.request import SamplingParams
+from pipeline.engine.sampler import filter_probs, sample
+from pipeline.engine.sequence import Sequence
+
+
+def reference_kept(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> dict[int, float]:
+    """Token -> unnormalized kept probability, with plain Python lists (order: T, top-k, top-p, min-p)."""
+    m = max(x / temperature for x in logits)
+    exps = [math.exp(x / temperature - m) for x in logits]
+    total = sum(exps)
+    ranked = sorted(range(len(logits)), key=lambda i: (-exps[i], i))
+    if top_k:
+        ranked = ranked[:top_k]
+    mass = sum(exps[i] for i in ranked)
+    kept, acc = [], 0.0
+    for i in ranked:
+        if kept and acc / mass >= top_p:
+            break
+        kept.append(i)
+        acc += exps[i]
+    best = exps[kept[0]]
+    return {i: exps[i] / total for i in kept if exps[i] >= min_p * best}
+
+
+CASES = [
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    dict(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
+    dict(temperature=1.3, top_k=0, top_p=0.6, min_p=0.0),
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2),
+    dict(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05),
+    dict(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_filters_match_reference(case):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 50, generator=g) * 3
+    kept, order = filter_probs(
+        logits,
+        torch.full((4,), case["temperature"]),
+        torch.full((4,), case["top_k"]),
+        torch.full((4,), case["top_p"]),
+        torch.full((4,), case["min_p"]),
+    )
+    for row in range(4):
+        expect = reference_kept(logits[row].tolist(), **case)
+        got = {int(order[row, j]): float(kept[row, j]) for j in range(50) if kept[row, j] > 0}
+        assert got.keys() == expect.keys()
+        for token, p in expect.items():
+            assert got[token] == pytest.approx(p, rel=1e-5)
+
+
+def _seq(sampling: SamplingParams, seed: int) -> Sequence:
+    gen = torch.Generator().manual_seed(seed)
+    return Sequence(0, "r", 0, [1], 1, sampling, seed, gen)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_draw_is_inverse_cdf_of_kept_distribution(case):
+    """Each draw equals the reference: one uniform from the same seeded generator through the kept CDF."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(20):
+        logits = torch.randn(1, 40, generator=g) * 2
+        sp = SamplingParams(**case)
+        token = sample(logits, [_seq(sp, trial)]).token_ids[0]
+        u = torch.rand(1, generator=torch.Generator().manual_seed(trial)).item()
+        kept = reference_kept(logits[0].tolist(), **case)
+        ranked = sorted(kept, key=lambda i: (-kept[i], i))
+        target, acc = u * sum(kept.values()), 0.0
+        expect = ranked[-1]
+        for i in ranked:
+            acc += kept[i]
+            if acc > target:
+                expect = i
+                break
+        assert token == expect
+
+
+def test_sampled_frequencies_follow_filtered_distribution():
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])
+    sp = SamplingParams(temperature=1.0, top_p=0.9)
+    seqs = [_seq(sp, s) for s in range(4000)]
+    tokens = sample(logits.expand(4000, -1).contiguous(), seqs).token_ids
+    kept = reference_kept(logits[0].tolist(), 1.0, 0, 0.9, 0.0)
+    total = sum(kept.values())
+    for token in range(6):
+        freq = tokens.count(token) / 4000
+        assert freq == pytest.approx(kept.get(token, 0.0) / total, abs=0.03)
+
+
+def test_greedy_rows_take_argmax_and_seeded_rows_ignore_neighbours():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 30, generator=g)
+    greedy = SamplingParams()
+    hot = SamplingParams(temperature=1.0, seed=7)
+    mixed = [_seq(greedy, 0), _seq(hot, 7), _seq(greedy, 0), _seq(hot, 8), _seq(greedy, 0), _seq(hot, 9)]
+    out = sample(logits, mixed).token_ids
+    assert [out[i] for i in (0, 2, 4)] == logits[[0, 2, 4]].argmax(-1).tolist()
+    for i, seed in ((1, 7), (3, 8), (5, 9)):
+        alone = sample(logits[i : i + 1], [_seq(hot, seed)]).token_ids[0]
+        assert out[i] == alone
+
+
+def test_logprobs_are_model_log_softmax_top_k_plus_chosen():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 25, generator=g)
+    sp = SamplingParams(temperature=2.0, logprobs=3)
+    out = sample(logits, [_seq(sp, 1), _seq(sp, 2)])
+    for row in range(2):
+        ref = torch.log_softmax(logits[row].double(), -1)
+        top = ref.topk(3).indices.tolist()
+        entry = out.logprobs[row]
+        assert set(top) | {out.token_ids[row]} == set(entry)
+        for token, value in entry.items():
+            assert value == pytest.approx(float(ref[token]), abs=1e-5)

@@ -1,0 +1,29 @@
+"""The same engine code under `torchrun`: ranks come from its environment instead of being spawned."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.model.loader import load_model
+from tests.parallel.engine_helpers import greedy, random_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_equal_one(tmp_path, tiny_model_dir, no_orphans):
+    out = tmp_path / "tokens.json"
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests/parallel/torchrun_greedy.py"), str(tiny_model_dir), str(out), "2"]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    reference = greedy(load_model(tiny_model_dir), random_prompts(8, vocab=49152), 6)
+    assert got == {i: tokens for i, (tokens, _) in reference.items()}

@@ -1,0 +1,141 @@
+"""The job config: Hydra composition over the dataclass schema, validation, job files, fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from pipeline.__main__ import CONF_DIR, hydra_argv
+from pipeline.config import SamplingSection, job_file_overrides, load_job_config, register_schema
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.request import SamplingParams
+from pipeline.errors import JobError
+
+
+def compose_job(*overrides: str):
+    register_schema()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def test_defaults_compose_into_validated_objects():
+    job = load_job_config(compose_job())
+    assert isinstance(job.sampling, SamplingParams) and isinstance(job.engine, EngineConfig)
+    assert job.engine == EngineConfig()  # the engine section is the engine's own defaults
+    assert job.sampling.max_tokens == 64 and job.sampling.temperature == 0  # conf/config.yaml
+    assert job.input.path == "data/sample/*.parquet" and job.model.name == "smollm2-135m"
+    assert job.model.path is None  # null = the installed SmolLM2 GGUF
+
+
+def test_sampling_section_mirrors_sampling_params():
+    mirrored = {f.name: f.default for f in dataclasses.fields(SamplingSection)}
+    original = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    assert mirrored == original
+
+
+def test_overrides_reach_the_objects():
+    job = load_job_config(compose_job(
+        "sampling.temperature=0.7", "sampling.stop=[END,'###']", "sampling.seed=5", "engine.max_batch_size=8",
+        "engine.kv_cache_memory=64MiB", "input.path=[a.parquet,b.parquet]", "output.token_ids=true",
+    ))
+    assert job.sampling.temperature == 0.7 and job.sampling.seed == 5
+    assert job.sampling.stop == ("END", "###")  # lists become the tuple SamplingParams wants
+    assert job.engine.max_batch_size == 8 and job.engine.kv_cache_bytes == 64 * 2**20
+    assert job.input.path == ["a.parquet", "b.parquet"] and job.output.token_ids is True
+
+
+@pytest.mark.parametrize("override, key", [
+    ("sampling.bogus=1", "bogus"),
+    ("input.prompt_colum=text", "prompt_colum"),
+    ("sampling.max_tokens=abc", "sampling.max_tokens"),
+    ("engine.max_batch_size=big", "engine.max_batch_size"),
+])
+def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_job(override)
+    assert key in str(e.value) + str(e.value.__cause__)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("sampling.temperature=-1", "temperature must be a finite number >= 0"),
+    ("sampling.top_p=1.5", "top_p must be in (0, 1]"),
+    ("sampling.max_tokens=0", "max_tokens must be an integer >= 1"),
+    ("engine.max_batch_size=0", "engine.max_batch_size must be an integer >= 1"),
+    ("engine.kv_cache_memory=lots", "engine.kv_cache_memory"),
+    ("engine.device=tpu", "engine.device"),
+    ("input.truncate=right", "input.truncate"),
+    ("input.sampling_columns=[top_k]", "input.sampling_columns"),
+    ("input.passthrough_columns=[text]", "input.passthrough_columns"),
+    ("output.mode=append", "output.mode"),
+    ("output.rows_per_part=0", "output.rows_per_part"),
+    ("model.dtype=int3", "model.dtype"),
+    ("progress.mode=fancy", "progress.mode"),
+    ("progress.log_every_s=0", "progress.log_every_s"),
+    ("input.path=[]", "input.path"),
+])
+def test_invalid_values_name_the_key(override, words):
+    cfg = compose_job(override)
+    with pytest.raises(JobError) as e:
+        load_job_config(cfg)
+    assert words in str(e.value)
+
+
+def test_fingerprint_follows_what_changes_outputs():
+    base = load_job_config(compose_job()).fingerprint()
+    assert load_job_config(compose_job("output.path=elsewhere", "progress.mode=off")).fingerprint() == base
+    assert load_job_config(compose_job("sampling.temperature=0.5")).fingerprint() != base
+    assert load_job_config(compose_job("model.path=/x.gguf")).fingerprint() != base
+    assert len(base) == 64
+
+
+def test_job_file_is_split_out_of_argv(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: smollm2-135m\nsampling:\n  max_tokens: 7\n")
+    content, rest = job_file_overrides(["sampling.temperature=0", f"conf={job}", "--cfg", "job"])
+    assert content == {"model": "smollm2-135m", "sampling": {"max_tokens": 7}}
+    assert rest == ["sampling.temperature=0", "--cfg", "job"]
+    assert job_file_overrides(["a=1"]) == (None, ["a=1"])
+
+
+@pytest.mark.parametrize("text, words", [
+    (None, "job file not found"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("sampling: [unclosed\n", "cannot read job file"),
+])
+def test_bad_job_files(tmp_path, text, words):
+    path = tmp_path / "job.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(JobError, match=words):
+        job_file_overrides([f"conf={path}"])
+
+
+def test_resolved_config_is_plain_data():
+    job = load_job_config(compose_job("sampling.n=2"))
+    assert job.resolved["sampling"]["n"] == 2 and "hydra" not in job.resolved
+    assert OmegaConf.create(job.resolved)  # round-trips into a config
+
+
+def test_job_file_merges_over_defaults_and_under_overrides(tmp_path):
+    (tmp_path / "job.yaml").write_text(
+        "model: smollm2-135m\ninput:\n  path: prompts/\n  passthrough_columns: [lang]\n"
+        "sampling:\n  max_tokens: 3\n  temperature: 0.5\n")
+    args = hydra_argv([f"conf={tmp_path}/job.yaml", "sampling.max_tokens=2"])
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        job = load_job_config(compose("config", overrides=args))
+    assert job.sampling.max_tokens == 2 and job.sampling.temperature == 0.5  # command line > file > defaults
+    assert job.input.path == "prompts/" and job.input.passthrough_columns == ["lang"]
+    assert job.input.prompt_column == "prompt" and job.model.name == "smollm2-135m"  # untouched defaults
+
+
+def test_job_file_with_unknown_key_fails_while_composing(tmp_path):
+    (tmp_path / "job.yaml").write_text("sampling:\n  temprature: 0.5\n")
+    args = hydra_argv([f"conf={tmp_path}/job.yaml"])
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None), \
+            pytest.raises(ConfigCompositionException) as e:
+        compose("config", overrides=args)
+    assert "temprature" in str(e.value) + str(e.value.__cause__)

@@ -1,0 +1,128 @@
+"""Rows -> prompt tokens: templates, system prompts, truncation, per-row sampling, and error rows.
+
+The reference for rendered prompts is the ChatML format written out by hand (DESIGN.md), encoded by the
+model's tokenizer: the builder must produce exactly those tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.config import InputConfig
+from pipeline.engine.request import SamplingParams
+from pipeline.prompts import PromptBuilder
+from pipeline.tokenizer import Tokenizer
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chatml(*turns: tuple[str, str]) -> str:
+    return "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns) + "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir) -> Tokenizer:
+    return Tokenizer.from_hf_dir(tiny_model_dir)
+
+
+def builder(tokenizer, max_model_len=2048, max_tokens=16, **inp) -> PromptBuilder:
+    return PromptBuilder(tokenizer, InputConfig(**inp), SamplingParams(max_tokens=max_tokens), max_model_len)
+
+
+def test_plain_prompt_as_user_turn(tokenizer):
+    p = builder(tokenizer).prepare({"prompt": "What is 2 + 2?"})
+    assert p.error is None
+    assert p.token_ids == tokenizer.encode(chatml(("system", DEFAULT_SYSTEM), ("user", "What is 2 + 2?")))
+    assert p.prompt_tokens == len(p.token_ids) and p.sampling == SamplingParams(max_tokens=16)
+
+
+def test_system_prompt_and_raw_prompt(tokenizer):
+    with_system = builder(tokenizer, system_prompt="Be brief.").prepare({"prompt": "Hi"})
+    assert with_system.token_ids == tokenizer.encode(chatml(("system", "Be brief."), ("user", "Hi")))
+    raw = builder(tokenizer, chat_template=False).prepare({"prompt": "Once upon a time"})
+    assert raw.token_ids == tokenizer.encode("Once upon a time")
+    raw_system = builder(tokenizer, chat_template=False, system_prompt="Story:").prepare({"prompt": "Once"})
+    assert raw_system.token_ids == tokenizer.encode("Story:\n\nOnce")
+
+
+def test_messages_keep_their_own_system_turn(tokenizer):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+    b = builder(tokenizer, messages_column="messages", system_prompt="ignored when the row has one")
+    expected = tokenizer.encode(chatml(("system", "S"), ("user", "U1"), ("assistant", "A1"), ("user", "U2")))
+    assert b.prepare({"messages": msgs}).token_ids == expected
+    assert b.prepare({"messages": json.dumps(msgs)}).token_ids == expected  # JSON text works too
+    no_system = b.prepare({"messages": msgs[1:2]})
+    assert no_system.token_ids == tokenizer.encode(chatml(("system", "ignored when the row has one"), ("user", "U1")))
+
+
+def test_per_row_sampling_overrides(tokenizer):
+    b = builder(tokenizer)
+    p = b.prepare({"prompt": "x", "max_tokens": 5.0, "temperature": 0.8, "top_p": 0.9, "seed": 7})
+    assert p.sampling == SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7)
+    assert b.prepare({"prompt": "x", "max_tokens": None, "seed": None}).sampling == SamplingParams(max_tokens=16)
+    off = builder(tokenizer, sampling_columns=[]).prepare({"prompt": "x", "temperature": 0.8})
+    assert off.sampling.temperature == 0
+
+
+def test_truncate_left_keeps_the_prompt_end(tokenizer):
+    text = " ".join(f"word{i}" for i in range(300))
+    full = builder(tokenizer, chat_template=False).prepare({"prompt": text}).token_ids
+    p = builder(tokenizer, max_model_len=100, max_tokens=20, chat_template=False, truncate="left").prepare(
+        {"prompt": text})
+    assert p.error is None and p.token_ids == full[-80:] and p.prompt_tokens == 80
+
+
+ROW_ERRORS = [
+    ({"prompt": None}, {}, "prompt is null"),
+    ({"prompt": ""}, {}, "prompt is empty"),
+    ({"prompt": "  \n\t"}, {}, "prompt is empty"),
+    ({"prompt": "word " * 200}, {"max_model_len": 100}, "prompt has 2"),
+    ({"prompt": "x"}, {"max_model_len": 16}, "max_tokens=16 leaves no room"),
+    ({"prompt": "x", "temperature": -0.5}, {}, "bad per-row sampling override: invalid sampling parameters: "
+                                                "temperature must be a finite number >= 0"),
+    ({"prompt": "x", "temperature": float("nan")}, {}, "temperature must be a finite number"),
+    ({"prompt": "x", "max_tokens": 0}, {}, "max_tokens must be an integer >= 1"),
+    ({"prompt": "x", "max_tokens": 2.5}, {}, "max_tokens must be an integer >= 1"),
+    ({"prompt": "x", "top_p": 0}, {}, "top_p must be in (0, 1]"),
+    ({"prompt": "x", "seed": -3}, {}, "seed must be a non-negative integer"),
+    ({"messages": None}, {"messages_column": "messages"}, "messages is null"),
+    ({"messages": []}, {"messages_column": "messages"}, "messages is an empty list"),
+    ({"messages": "{not json"}, {"messages_column": "messages"}, "malformed messages: not valid JSON"),
+    ({"messages": '{"role": "user"}'}, {"messages_column": "messages"}, "expected a list of {role, content}, got dict"),
+    ({"messages": [{"content": "hi"}]}, {"messages_column": "messages"}, "malformed messages: item 0 has no role"),
+    ({"messages": [None]}, {"messages_column": "messages"}, "malformed messages: item 0 has no role"),
+    ({"messages": [{"role": "user", "content": None}]}, {"messages_column": "messages"},
+     "item 0 (user) has no text content"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, {"messages_column": "messages"},
+     "unknown role 'wizard' in message 0"),
+    ({"messages": [{"role": "user", "content": " "}]}, {"messages_column": "messages"},
+     "messages have only empty content"),
+]
+
+
+@pytest.mark.parametrize("row, options, words", ROW_ERRORS)
+def test_bad_rows_become_errors(tokenizer, row, options, words):
+    p = builder(tokenizer, **options).prepare(row)
+    assert p.token_ids is None and p.sampling is None
+    assert words in p.error
+
+
+def test_overlong_error_reports_the_numbers(tokenizer):
+    p = builder(tokenizer, max_model_len=100, max_tokens=30, chat_template=False).prepare({"prompt": "word " * 200})
+    assert p.error == (f"prompt has {p.prompt_tokens} tokens; max_model_len=100 - max_tokens=30 allows 70 "
+                       f"(input.truncate=left keeps the last 70)")
+    assert p.prompt_tokens == len(tokenizer.encode("word " * 200))
+
+
+def test_template_failure_is_a_row_error(tokenizer):
+    class Strict:
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            raise ValueError("conversation roles must alternate")
+
+        encode = tokenizer.encode
+
+    b = PromptBuilder(Strict(), InputConfig(), SamplingParams(), 2048)
+    assert b.prepare({"prompt": "x"}).error == "chat template failed: conversation roles must alternate"
