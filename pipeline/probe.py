@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 from pipeline.errors import JobError
 from pipeline.roofline import HardwareProfile
 
+HARDWARE_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
+
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -95,11 +97,7 @@ def fill_hardware_config(cfg: dict, measure: Callable[[], ProbeResult] = probe) 
     if out.get("memory_gb") is None:
         out["memory_gb"] = result.memory / 1e9
     out["peak_tflops"] = {k: result.flops[k] / 1e12 if v is None else v for k, v in peaks.items()}
-    out["probe_threads"] = result.threads
     return out
-
-
-HARDWARE_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
 
 
 def hardware_profile(cfg: Mapping[str, Any]) -> HardwareProfile:
@@ -108,7 +106,6 @@ def hardware_profile(cfg: Mapping[str, Any]) -> HardwareProfile:
     raw = dict(cfg)
     if raw.pop("probe", False):
         raw = fill_hardware_config(raw)
-        raw.pop("probe_threads", None)
     return HardwareProfile.from_config(raw)
 
 
@@ -125,66 +122,12 @@ def load_hardware(name: str, overrides: Sequence[str] = ()) -> HardwareProfile:
         raise JobError(f"{path} with overrides {list(overrides)}: {e}") from None
 
 
-class _FixedContextKV:
-    """Attention backend for timing: each of B sequences attends over `context` cached positions
-    (random keys/values kept at that length), batched as a padded engine would."""
-
-    def __init__(self, num_layers: int, batch: int, context: int, kv_heads: int, head_dim: int, dtype, scale):
-        shape = (num_layers, batch, kv_heads, context, head_dim)
-        self.k, self.v, self.scale = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), scale
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, hq, d = q.shape
-        hkv = self.k.shape[2]
-        qg = q.view(b, hkv, hq // hkv, d)
-        probs = torch.softmax((qg @ self.k[layer].transpose(-1, -2)).float() * self.scale, dim=-1)
-        return (probs.to(q.dtype) @ self.v[layer]).reshape(b, hq, d)
-
-
-def measure_decode_step(cfg, batch: int, context: int, dtype: torch.dtype = torch.float32, steps: int = 5) -> float:
-    """Median seconds of one decode step (forward + LM head) of our `LlamaModel` of shape `cfg` with random
-    weights: the model's own time, without the engine's scheduling, sampling and Python overheads."""
-    from pipeline.model.llama import LlamaModel
-
-    torch.manual_seed(0)
-    model = LlamaModel(cfg, dtype=dtype)
-    for p in model.parameters():
-        p.data.normal_(0, 0.02)
-    attn = _FixedContextKV(cfg.num_layers, batch, context, cfg.num_kv_heads, cfg.head_dim, dtype, model.scale)
-    ids = torch.randint(0, cfg.vocab_size, (batch,))
-    positions = torch.full((batch,), context)
-
-    def step():
-        model.compute_logits(model(ids, positions, attn))
-
-    step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def main(argv: list[str]) -> None:
-    """`python -m pipeline.probe [decode [MODEL_PATH] [CONTEXT]]`: the hardware figures; with `decode`, also
-    the model-only decode step at batch 1 and 64 (SmolLM2 unless a GGUF / HF path is given)."""
+def main() -> None:
+    """`python -m pipeline.probe`: print this machine's figures."""
     r = probe()
-    print(f"threads {r.threads}: triad {r.bandwidth / 1e9:.1f} GB/s, fp32 mm {r.flops['fp32'] / 1e9:.0f} GFLOP/s, "
-          f"bf16 mm {r.flops['bf16'] / 1e9:.0f} GFLOP/s, RAM {r.memory / 2**30:.1f} GiB")
-    if argv[:1] == ["decode"]:
-        from pipeline.plan.__main__ import read_model
-
-        cfg, _ = read_model(argv[1] if len(argv) > 1 else None)
-        context = int(argv[2]) if len(argv) > 2 else 73
-        for dtype in (torch.float32, torch.bfloat16):
-            for batch in (1, 64):
-                seconds = measure_decode_step(cfg, batch, context, dtype)
-                print(f"decode {str(dtype).removeprefix('torch.')} batch {batch} context {context}: "
-                      f"{seconds * 1e3:.1f} ms/step, {batch / seconds:.1f} tok/s")
+    print(f"threads {r.threads}: triad {r.bandwidth / 1e9:.1f} GB/s, fp32 F.linear {r.flops['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"bf16 F.linear {r.flops['bf16'] / 1e9:.1f} GFLOP/s, RAM {r.memory / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])
+    main()

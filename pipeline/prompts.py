@@ -67,6 +67,11 @@ def _parse_messages(value: Any) -> list[dict]:
     return messages
 
 
+def _missing(value: Any) -> bool:
+    """Null, or NaN (how pandas writes a missing value in a float column)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 class PromptBuilder:
     """Applies the input section of the config to rows, with the model's tokenizer and length limit."""
 
@@ -89,7 +94,7 @@ class PromptBuilder:
         return Prepared(fitted, sampling, None, len(fitted))
 
     def _sampling(self, row: Mapping[str, Any]) -> SamplingParams:
-        overrides = {k: row[k] for k in self.inp.sampling_columns if row.get(k) is not None}
+        overrides = {k: row[k] for k in self.inp.sampling_columns if not _missing(row.get(k))}
         if not overrides:
             return self.sampling
         for key in ("max_tokens", "seed"):  # integer columns read from float Parquet columns

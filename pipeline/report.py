@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import fsspec
 from matplotlib.figure import Figure
@@ -35,6 +36,22 @@ class Snapshot:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     block_size: int = 16
+
+    @classmethod
+    def of_engine(cls, engine: Any, rows_done: int) -> Snapshot:
+        """The counters of a running `pipeline.engine.engine.Engine` (KV blocks in use = not in the free queue)."""
+        stats = engine.stats
+        return cls(
+            rows_done=rows_done,
+            steps=stats.steps,
+            generated_tokens=stats.decode_tokens,
+            prefilled_tokens=stats.prefill_tokens,
+            cached_tokens=stats.cached_tokens,
+            running_batch=len(engine.scheduler.running),
+            kv_blocks_used=engine.num_blocks - engine.kv.num_free,
+            kv_blocks_total=engine.num_blocks,
+            block_size=engine.config.block_size,
+        )
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,9 @@ class Tokenizer:
             raise ValueError(f"{path}: metadata has no tokenizer.ggml.tokens (no vocabulary in this GGUF)")
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
         types = field("tokenizer.ggml.token_type", [1] * len(tokens))
-        hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        hf = HFTokenizer(
+            models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        )
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [*_GGUF_PRE_TOKENIZERS[pre], pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
         )
@@ -154,7 +156,9 @@ class Tokenizer:
         directory = Path(directory)
         tok_file = directory / "tokenizer.json"
         if not tok_file.is_file():
-            raise FileNotFoundError(f"{tok_file} not found: a Hugging Face model directory needs tokenizer.json")
+            raise FileNotFoundError(
+                f"{tok_file} not found: a Hugging Face model directory needs tokenizer.json"
+            )
         hf = HFTokenizer.from_file(str(tok_file))
         cfg = _read_json(directory / "tokenizer_config.json")
         gen = _read_json(directory / "generation_config.json")
@@ -167,14 +171,20 @@ class Tokenizer:
                 return None
             tid = hf.token_to_id(value)
             if tid is None:
-                raise ValueError(f"{directory / 'tokenizer_config.json'}: token {value!r} is not in {tok_file}")
+                raise ValueError(
+                    f"{directory / 'tokenizer_config.json'}: token {value!r} is not in {tok_file}"
+                )
             return tid
 
         bos = token_id(cfg.get("bos_token"))
         if bos is None:
             bos = model_cfg.get("bos_token_id")
         eos: list[int] = []
-        for source in (token_id(cfg.get("eos_token")), gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
+        for source in (
+            token_id(cfg.get("eos_token")),
+            gen.get("eos_token_id"),
+            model_cfg.get("eos_token_id"),
+        ):
             eos.extend(source if isinstance(source, list) else [] if source is None else [source])
         return cls(
             hf,

@@ -62,7 +62,8 @@ def test_per_row_sampling_overrides(tokenizer):
     b = builder(tokenizer)
     p = b.prepare({"prompt": "x", "max_tokens": 5.0, "temperature": 0.8, "top_p": 0.9, "seed": 7})
     assert p.sampling == SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7)
-    assert b.prepare({"prompt": "x", "max_tokens": None, "seed": None}).sampling == SamplingParams(max_tokens=16)
+    missing = {"prompt": "x", "max_tokens": None, "seed": None, "temperature": float("nan")}  # NaN: pandas' null
+    assert b.prepare(missing).sampling == SamplingParams(max_tokens=16)
     off = builder(tokenizer, sampling_columns=[]).prepare({"prompt": "x", "temperature": 0.8})
     assert off.sampling.temperature == 0
 
@@ -83,7 +84,7 @@ ROW_ERRORS = [
     ({"prompt": "x"}, {"max_model_len": 16}, "max_tokens=16 leaves no room"),
     ({"prompt": "x", "temperature": -0.5}, {}, "bad per-row sampling override: invalid sampling parameters: "
                                                 "temperature must be a finite number >= 0"),
-    ({"prompt": "x", "temperature": float("nan")}, {}, "temperature must be a finite number"),
+    ({"prompt": "x", "temperature": float("inf")}, {}, "temperature must be a finite number"),
     ({"prompt": "x", "max_tokens": 0}, {}, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "max_tokens": 2.5}, {}, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "top_p": 0}, {}, "top_p must be in (0, 1]"),

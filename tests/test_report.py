@@ -144,3 +144,32 @@ def test_report_renders_in_headless_chromium(report_dir, tmp_path):
     blue = np.all(np.abs(pixels - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.03, axis=-1)
     assert blue.sum() > 200
     assert (pixels.mean(axis=-1) < 0.5).mean() > 0.005  # text and axes, not an empty page
+
+
+def test_recorder_on_the_real_engine(tiny_model_dir):
+    """The engine's counters map onto the series: rates integrate back to the engine's totals."""
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.request import Request, SamplingParams
+    from pipeline.model.loader import load_model
+
+    loaded = load_model(tiny_model_dir)
+    engine = Engine(loaded, EngineConfig(max_batch_size=4, kv_cache_memory="8MiB", max_batched_tokens=64))
+    shared = list(range(100, 140))  # a 40-token shared prefix: later requests hit the prefix cache
+    requests = [Request(i, shared + [200 + i], SamplingParams(max_tokens=6, ignore_eos=True)) for i in range(8)]
+    roof = Roofline.of(loaded.config, CPU, "float32")
+    rec = RunRecorder(roof, interval_s=1e-9)
+    rows = 0
+    for request in requests:
+        engine.add_request(request)
+    while engine.scheduler.has_work():
+        rows += len(engine.step())
+        rec.observe(Snapshot.of_engine(engine, rows))
+    series = rec.to_json()["series"]
+    dts = [b - a for a, b in zip([0.0, *series["t"]], series["t"])]
+    assert sum(r * dt for r, dt in zip(series["generated_tok_s"], dts)) == pytest.approx(8 * 6)
+    assert sum(r * dt for r, dt in zip(series["prefilled_tok_s"], dts)) == pytest.approx(engine.stats.prefill_tokens)
+    assert series["rows_done"][-1] == 8 and max(series["running_batch"]) == 4
+    assert all(0 <= u <= t for u, t in zip(series["kv_blocks_used"], series["kv_blocks_total"]))
+    assert any(h for h in series["cache_hit_rate"] if h)  # the shared prefix was served from the cache
+    assert all(p > 0 for p in series["pct_of_roofline"])

@@ -44,7 +44,10 @@ def tiny_state_dict(config: dict, seed: int) -> dict[str, torch.Tensor]:
     def rand(*shape: int, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.05 + mean
 
-    sd = {"model.embed_tokens.weight": rand(config["vocab_size"], h) * 10, "model.norm.weight": rand(h, mean=1.0)}
+    sd = {
+        "model.embed_tokens.weight": rand(config["vocab_size"], h) * 10,
+        "model.norm.weight": rand(h, mean=1.0),
+    }
     bias = config.get("model_type") == "qwen2"
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
@@ -60,7 +63,9 @@ def tiny_state_dict(config: dict, seed: int) -> dict[str, torch.Tensor]:
             p + "mlp.down_proj.weight": rand(h, i),
         }
         if bias:
-            sd |= {p + f"self_attn.{x}_proj.bias": rand(n_out) for x, n_out in (("q", q), ("k", kv), ("v", kv))}
+            sd |= {
+                p + f"self_attn.{x}_proj.bias": rand(n_out) for x, n_out in (("q", q), ("k", kv), ("v", kv))
+            }
     if not config["tie_word_embeddings"]:
         sd["lm_head.weight"] = rand(config["vocab_size"], h)
     return sd
@@ -77,8 +82,10 @@ def build_tiny_checkpoint(directory: str | Path, seed: int = 0, **overrides) -> 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY_CONFIG, **overrides}
     sd = tiny_state_dict(config, seed)
     names = sorted(sd)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     weight_map = {}
     for filename, part in halves.items():
         save_file({n: sd[n].contiguous() for n in part}, str(directory / filename), metadata={"format": "pt"})

@@ -105,18 +105,28 @@ class Engine:
         source = iter(requests)
         exhausted = False
         window = self.config.waiting_window
-        while True:
-            while not exhausted and len(self.scheduler.waiting) < window:
-                request = next(source, None)
-                if request is None:
-                    exhausted = True
-                    break
-                yield from self.add_request(request)
-            if not self.scheduler.has_work():
-                if exhausted:
-                    return
-                continue
-            yield from self.step()
+        try:
+            while True:
+                while not exhausted and len(self.scheduler.waiting) < window:
+                    request = next(source, None)
+                    if request is None:
+                        exhausted = True
+                        break
+                    yield from self.add_request(request)
+                if not self.scheduler.has_work():
+                    if exhausted:
+                        return
+                    continue
+                yield from self.step()
+        finally:  # the caller stopped early (or a step failed): drop unfinished work, free its blocks
+            self.abort_all()
+
+    def abort_all(self) -> None:
+        """Drop every waiting and running sequence and return their blocks to the pool."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq)
+        self.scheduler.waiting.clear()
+        self._block_copies = []
 
     def add_request(self, request: Request) -> list[Result]:
         """Queue one request for the next steps; returns its error results if it cannot run (else [])."""

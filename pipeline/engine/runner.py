@@ -105,6 +105,7 @@ class PagedAttention:
         self.attention_seconds = 0.0
         self._decode_mask: torch.Tensor | None = None
         self._decode_rows: torch.Tensor | None = None  # rows of the [Hkv * num_blocks, block] pool view
+        self._prefills: list[tuple[int, int, int, torch.Tensor]] = []  # (row lo, row hi, keys, pool rows)
         self._key_buf = self._value_buf = torch.empty(0, dtype=dtype, device=device)
 
     def prepare(self, batch: StepBatch) -> None:
@@ -122,6 +123,11 @@ class PagedAttention:
             if self._key_buf.numel() < self._decode_rows.numel() * row:
                 self._key_buf = self._key_buf.new_empty(self._decode_rows.numel() * row)
                 self._value_buf = self._value_buf.new_empty(self._decode_rows.numel() * row)
+        starts, lens = batch.query_start.tolist(), batch.context_lens.tolist()
+        self._prefills = [
+            (starts[b], starts[b + 1], lens[b], self._pool_rows(batch.block_tables[b, : -(-lens[b] // self.block_size)]))
+            for b in range(d, len(lens))
+        ]
         for src, dst in batch.block_copies.tolist():
             for pool in (*self.k, *self.v):
                 pool[:, dst].copy_(pool[:, src])
@@ -144,11 +150,7 @@ class PagedAttention:
         d = batch.num_decodes
         if d:
             out[:d] = self._decode(q[:d], kp, vp)
-        starts = batch.query_start.tolist()
-        lens = batch.context_lens.tolist()
-        for b in range(d, len(lens)):
-            lo, hi, length = starts[b], starts[b + 1], lens[b]
-            rows = self._pool_rows(batch.block_tables[b, : -(-length // bs)])
+        for lo, hi, length, rows in self._prefills:
             ks = kp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
             vs = vp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
             out[lo:hi] = causal_attention(q[lo:hi], ks, vs, length - (hi - lo), self.scale)

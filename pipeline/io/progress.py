@@ -25,6 +25,12 @@ class Counters:
     cached_tokens: int = 0  # prompt positions served from the prefix cache instead
     generated_tokens: int = 0
     running: int = 0  # sequences in the engine's running batch right now
+    lower_bound: int = 0  # least prompt positions any order could compute for the rows sent so far (0: unknown)
+
+
+def prefill_efficiency(lower_bound: int, computed: int) -> float | None:
+    """lower bound / computed prompt positions: 1.0 = every shared prefix computed once (None: not known)."""
+    return lower_bound / computed if lower_bound and computed else None
 
 
 def _duration(seconds: float) -> str:
@@ -34,12 +40,15 @@ def _duration(seconds: float) -> str:
 
 
 def rates(c: Counters, elapsed: float) -> str:
-    """`gen 312.4 tok/s | prompt 1024.0 tok/s | cached 35.2% | batch 48`."""
+    """`gen 312.4 tok/s | prompt 1024.0 tok/s | cached 35.2% | batch 48`, then `| prefill eff 97.0%` once the
+    prefill lower bound is known (it counts rows sent to the engine, so mid-run it runs ahead)."""
     elapsed = max(elapsed, 1e-9)
     seen = c.prompt_tokens + c.cached_tokens
     cached = 100.0 * c.cached_tokens / seen if seen else 0.0
-    return (f"gen {c.generated_tokens / elapsed:.1f} tok/s | prompt {c.prompt_tokens / elapsed:.1f} tok/s | "
+    line = (f"gen {c.generated_tokens / elapsed:.1f} tok/s | prompt {c.prompt_tokens / elapsed:.1f} tok/s | "
             f"cached {cached:.1f}% | batch {c.running}")
+    efficiency = prefill_efficiency(c.lower_bound, c.prompt_tokens)
+    return line if efficiency is None else f"{line} | prefill eff {100 * efficiency:.1f}%"
 
 
 class Progress:
@@ -137,6 +146,9 @@ def summary(m: dict) -> str:
         ("throughput", f"{m['generated_tokens_per_s']:.1f} generated tok/s, {m['total_tokens_per_s']:.1f} total tok/s"),
         ("mean batch", f"{m['mean_batch']:.1f} over {m['steps']:,} steps"),
         ("preemptions", f"{m['preemptions']:,}"),
+        *([("cache evictions", f"{m['evictions']:,} blocks")] if "evictions" in m else []),
+        *([("prefill vs bound", f"{m['prefill_lower_bound_tokens']:,} tokens at least, efficiency "
+                                f"{m['prefill_efficiency']:.3f}")] if m.get("prefill_efficiency") else []),
         ("peak memory", _bytes(m["peak_memory_bytes"])
          + (f" (GPU {_bytes(m['peak_gpu_memory_bytes'])})" if m.get("peak_gpu_memory_bytes") else "")),
         ("weight bytes", _bytes(m["weight_bytes"])),

@@ -83,12 +83,14 @@ class ParquetSource:
         if not entries:
             raise JobError("input.path is an empty list")
         fs, _ = url_to_fs(entries[0], **(storage_options or {}))
-        files: list[tuple[str, int]] = []
+        listed: dict[str, int] = {}  # path -> size, in listing order; a file named twice is read once
         for entry in entries:
             entry_fs, entry_path = url_to_fs(entry, **(storage_options or {}))
             if entry_fs.protocol != fs.protocol:
                 raise JobError(f"input.path mixes filesystems: {entries[0]!r} and {entry!r}")
-            files += [f for f in _listing(fs, entry_path, entry) if f not in files]
+            for p, size in _listing(fs, entry_path, entry):
+                listed.setdefault(p, size)
+        files = list(listed.items())
         self.fs = fs
         root = posixpath.commonpath([p for p, _ in files]) if len(files) > 1 else posixpath.dirname(files[0][0])
         self.shards: list[Shard] = []

@@ -125,7 +125,9 @@ class GGUFCheckpoint:
         if kind == "linear":
             scaling = {"rope_type": "linear", "factor": float(self._field(f"{arch}.rope.scaling.factor"))}
         elif kind != "none":
-            raise ValueError(f"{self.path}: {arch}.rope.scaling.type={kind!r} is not supported (none, linear)")
+            raise ValueError(
+                f"{self.path}: {arch}.rope.scaling.type={kind!r} is not supported (none, linear)"
+            )
         vocab = self._field(f"{arch}.vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
         attn_bias = "blk.0.attn_q.bias" in self._tensors
         return ModelConfig(

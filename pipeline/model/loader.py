@@ -43,7 +43,9 @@ def open_checkpoint(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:
         return HFCheckpoint(path)
     if path.is_file():
         return GGUFCheckpoint(path)
-    raise FileNotFoundError(f"model path {path} not found (expected a .gguf file or a Hugging Face directory)")
+    raise FileNotFoundError(
+        f"model path {path} not found (expected a .gguf file or a Hugging Face directory)"
+    )
 
 
 @dataclass

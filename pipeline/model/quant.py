@@ -7,9 +7,9 @@ Schemes (`model.quant`):
   they equal `gguf.quants.dequantize` bit for bit.
 Embeddings and the LM head stay in the model dtype (see docs/readme/quant.md for the measured cost).
 
-Tensor parallelism: each rank quantizes (or takes the blocks of) its own shard. A row-parallel shard
-splits the inputs, so its boundaries must fall on group boundaries; otherwise construction fails with
-an error naming the layer.
+Tensor parallelism: each rank keeps exactly its slice of the TP=1 quantized weight. Column-parallel ranks
+quantize their own rows; row-parallel ranks quantize whole rows and slice the inputs, so a rank's inputs
+must be whole groups (int4, gguf), otherwise construction fails with an error naming the layer.
 """
 
 from __future__ import annotations
@@ -59,24 +59,20 @@ class QuantizedTensor:
                 None if self.mins is None else self.mins.narrow(0, start, length),
             )
         g, k = self.group_size, self.shape[1]
+        per_byte = 2 if self.bits == 4 else 1
+        if start % per_byte or length % per_byte:
+            raise ValueError(f"int4 shard of inputs [{start}, {start + length}) splits a packed byte")
+        q = self.qweight.narrow(1, start // per_byte, length // per_byte)
         if g == k:  # one group per row: any slice of inputs keeps the row's scale (and min)
-            per_byte = 2 if self.bits == 4 else 1
-            if start % per_byte or length % per_byte:
-                raise ValueError(f"int4 shard [{start}, {start + length}) splits a packed byte")
-            q = self.qweight.narrow(1, start // per_byte, length // per_byte)
             return QuantizedTensor(self.bits, q, self.scales, self.mins)
         if start % g or length % g:
             raise ValueError(
                 f"tensor-parallel shard of inputs [{start}, {start + length}) does not fall on the "
                 f"quantization group boundaries (group size {g}); use a group size dividing {length}"
             )
-        per_byte = 2 if self.bits == 4 else 1
-        return QuantizedTensor(
-            self.bits,
-            self.qweight.narrow(1, start // per_byte, length // per_byte),
-            self.scales.narrow(1, start // g, length // g),
-            None if self.mins is None else self.mins.narrow(1, start // g, length // g),
-        )
+        groups = (start // g, length // g)
+        mins = None if self.mins is None else self.mins.narrow(1, *groups)
+        return QuantizedTensor(self.bits, q, self.scales.narrow(1, *groups), mins)
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.qweight, self.scales, self.mins, self.bits)
@@ -148,9 +144,9 @@ class QuantLinear(ParallelLinear):
         self.scheme = scheme
         self.group_size = group_size
         self.bits = 0
-        for buffer in ("qweight", "scales", "mins"):
+        for buffer in ("qweight", "scales", "mins", "packed_weight", "packed_scales"):
             self.register_buffer(buffer, None)
-        self.cpu_packed: CpuPacked | None = None
+        self.packed_group = 0
         self.rows_loaded = 0
 
     def _allocate(self, part: QuantizedTensor) -> None:
@@ -214,14 +210,21 @@ class QuantLinear(ParallelLinear):
             return False
         packed = pack_for_cpu(self.qweight, self.scales, self.mins, self.bits)
         self.qweight = self.scales = self.mins = None
-        self.register_buffer("packed_weight", packed.weight)
-        self.register_buffer("packed_scales", packed.scales)
-        self.cpu_packed = packed
+        self.packed_weight, self.packed_scales = packed.weight, packed.scales
+        self.packed_group = packed.group_size
         return True
 
+    @property
+    def cpu_packed(self) -> CpuPacked | None:
+        """The weight in torch's CPU kernel layout (built from the buffers, so `.to()` keeps it valid)."""
+        if self.packed_weight is None:
+            return None
+        return CpuPacked(self.bits, self.packed_weight, self.packed_scales, self.packed_group)
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.cpu_packed is not None:
-            y = packed_matmul(x, self.cpu_packed)
+        packed = self.cpu_packed
+        if packed is not None:
+            y = packed_matmul(x, packed)
         elif self.qweight is None:
             raise RuntimeError("QuantLinear used before its weights were loaded")
         else:

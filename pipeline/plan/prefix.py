@@ -8,10 +8,8 @@ plan is deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
-
-T = TypeVar("T")
+import bisect
+from collections.abc import Sequence
 
 
 def prefix_order(token_seqs: Sequence[Sequence[int]]) -> list[int]:
@@ -38,27 +36,24 @@ def unique_prefix_tokens(token_seqs: Sequence[Sequence[int]]) -> int:
     return total
 
 
-def ordered_windows(
-    items: Iterable[T], tokens: Callable[[T], Sequence[int]], window_rows: int, sort: bool = True
-) -> Iterator[list[T]]:
-    """Cut a stream into windows of at most `window_rows` items, each in prefix order when `sort`.
+class PrefixTreeCounter:
+    """Distinct prefix-tree nodes of the sequences added so far, kept up to date one sequence at a time.
 
-    Memory stays bounded by one window whatever the input size; a window is the unit the prefix
-    lower bound and the ordering are computed over.
+    Why: the job reports the prefill lower bound while rows stream into the engine, in whatever order they
+    arrive. In sorted order each sequence adds len - lcp with its sorted neighbours; inserting `s` between
+    `p` and `q` adds len(s) - max(lcp(p, s), lcp(s, q)) nodes (lcp(p, q) is the smaller of the two).
     """
-    if window_rows < 1:
-        raise ValueError(f"plan.window_rows must be >= 1, got {window_rows}")
-    window: list[T] = []
-    for item in items:
-        window.append(item)
-        if len(window) == window_rows:
-            yield _ordered(window, tokens, sort)
-            window = []
-    if window:
-        yield _ordered(window, tokens, sort)
 
+    def __init__(self) -> None:
+        self.sorted: list[list[int]] = []
+        self.total = 0
 
-def _ordered(window: list[T], tokens: Callable[[T], Sequence[int]], sort: bool) -> list[T]:
-    if not sort:
-        return window
-    return [window[i] for i in prefix_order([tokens(x) for x in window])]
+    def add(self, seq: Sequence[int]) -> int:
+        """Insert one sequence; returns the nodes it added."""
+        s = list(seq)
+        i = bisect.bisect_left(self.sorted, s)
+        shared = max(common_prefix_len(self.sorted[i - 1], s) if i else 0,
+                     common_prefix_len(s, self.sorted[i]) if i < len(self.sorted) else 0)
+        self.sorted.insert(i, s)
+        self.total += len(s) - shared
+        return len(s) - shared

@@ -106,7 +106,7 @@ cmd_start() {
         die "already running in $DIR (stop it first: $0 stop)"
     fi
     write_conf
-    # Job ids restart at 1 with a clean state: old completion records and logs would only mislead.
+    # A clean start may reuse job ids: completion records and logs of an earlier run would only mislead.
     rm -f "$DIR/jobcomp.log" "$DIR/slurmctld.log" "$DIR/slurmd.log"
     # -c: start from clean state (no jobs from an earlier run); -N: slurmd's node name matches NodeName.
     slurmctld -c -f "$CONF"
@@ -130,7 +130,22 @@ stop_pid() {
     rm -f "$pidfile"
 }
 
+cancel_jobs() {
+    # Jobs outlive slurmd (their slurmstepd is a separate process): cancel them first, then wait for them.
+    local jobs i
+    jobs="$(SLURM_CONF="$CONF" squeue -h -o '%A' 2>/dev/null | sort -u)"
+    [ -n "$jobs" ] || return 0
+    # shellcheck disable=SC2086
+    SLURM_CONF="$CONF" scancel $jobs 2>/dev/null || true
+    for i in $(seq 1 60); do
+        [ -z "$(SLURM_CONF="$CONF" squeue -h -o '%A' 2>/dev/null)" ] && return 0
+        sleep 0.5
+    done
+    echo "local_cluster: jobs still ending after 30 s: $(SLURM_CONF="$CONF" squeue -h -o '%i %T' | tr '\n' ' ')" >&2
+}
+
 cmd_stop() {
+    pid_alive "$DIR/slurmctld.pid" && pid_alive "$DIR/slurmd.pid" && cancel_jobs
     stop_pid slurmd "$DIR/slurmd.pid"
     stop_pid slurmctld "$DIR/slurmctld.pid"
     echo "slurm stopped ($DIR)"

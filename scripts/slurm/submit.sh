@@ -25,6 +25,7 @@ shared_args=()  # options the final step needs too: where it may run and under w
 log_dir=.
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
     case "$1" in
+        --array=*) echo "$0: the array is 0-(NUM_SHARDS-1); give NUM_SHARDS instead of $1" >&2; exit 2 ;;
         --partition=*|--account=*|--qos=*|--chdir=*) shared_args+=("$1") ;;
         --output=*/*) log_dir="${1#--output=}"; log_dir="${log_dir%/*}" ;;
         --*) ;;

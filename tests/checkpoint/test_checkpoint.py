@@ -113,3 +113,14 @@ def test_fingerprint_ignores_speed_settings_but_not_results_settings(tmp_path):
     assert job_fingerprint(reseeded, str(model)) != base
     model.write_bytes(b"12345")  # weights replaced at the same path
     assert job_fingerprint(resolved, str(model)) != base
+
+
+def test_an_input_that_shrinks_after_listing_is_an_error_not_lost_rows(source, tmp_path):
+    from pipeline.errors import JobError
+
+    cp = checkpoint(source, tmp_path / "out")
+    cp.start(FP, "resume")
+    write_prompts(tmp_path / "in" / "c.parquet", [{"id": 7, "prompt": "p7"}])  # 6 rows listed, 1 left
+    with pytest.raises(JobError, match="the input changed while it was read: 13 rows listed, 8 read"):
+        streamed(cp)
+    cp.close()

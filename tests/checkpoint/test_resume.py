@@ -40,6 +40,11 @@ POINTS = [
 ]
 
 
+# On S3 the ten points of the commit protocol and the engine (the lease and manifest writes are the same
+# code path as locally, and each run costs seconds).
+S3_POINTS = [p for p in POINTS if p[0] not in ("lease.after_write", "manifest.after_write")][:10]
+
+
 def stable(rows: list[dict]) -> list[tuple]:
     return [tuple(r[k] for k in STABLE) for r in rows]
 
@@ -76,7 +81,7 @@ def test_sigkill_at_13_points_then_resume_equals_uninterrupted_run(job_runner, j
 def test_sigkill_and_resume_on_s3(job_runner, job_args, reference, s3_bucket):
     out = f"{s3_bucket}/run"
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}  # the moto server's address
-    crash_and_resume(job_runner, job_args, out, POINTS, seed=11, env=env)
+    crash_and_resume(job_runner, job_args, out, S3_POINTS, seed=11, env=env)
     assert stable(read_output(out)) == reference
     assert verify_output(out).ok
 

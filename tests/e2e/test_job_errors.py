@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
@@ -20,7 +21,7 @@ from pipeline.errors import JobError
 from pipeline.job import run
 from tests.test_config import compose_job
 
-REPO = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
@@ -224,3 +226,33 @@ def test_rss_flat_over_many_short_requests(tiny):
     after = psutil.Process().memory_info().rss
     assert after <= 1.05 * before, (before, after)
     assert engine.kv.is_idle_whole()
+
+
+def test_stopping_early_returns_every_block(tiny):
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB"))
+    stream = engine.generate(Request(i, p, SamplingParams(max_tokens=50)) for i, p in enumerate(random_prompts(20, 5, 30)))
+    next(stream)
+    stream.close()
+    assert engine.kv.is_idle_whole() and not engine.scheduler.has_work()
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    prefixes=st.lists(st.lists(st.integers(1, 127), min_size=1, max_size=20), min_size=1, max_size=3),
+    rows=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, 127), max_size=6)), min_size=1, max_size=12),
+    num_blocks=st.integers(12, 40),
+)
+def test_prefix_caching_never_changes_outputs_under_pressure(tiny, prefixes, rows, num_blocks):
+    """Random shared-prefix workloads in a small pool (evictions, preemptions): identical greedy outputs
+    with the cache on and off, and a whole pool after each run."""
+    prompts = [prefixes[p % len(prefixes)] + q for p, q in rows]
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    outs = []
+    for caching in (True, False):
+        res, _ = run(tiny, [Request(i, p, sp) for i, p in enumerate(prompts)], block_size=4,
+                     kv_cache_memory=num_blocks * block_bytes, max_model_len=40, max_batched_tokens=24,
+                     max_batch_size=6, prefix_caching=caching)
+        outs.append([res[i, 0].token_ids for i in range(len(prompts))])
+    assert outs[0] == outs[1]

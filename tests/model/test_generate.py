@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.engine.request import SamplingParams
-from pipeline.generate import generate, generate_ids, sample_next
+from pipeline.generate import generate, generate_batch, generate_ids, sample_next
 from pipeline.model.loader import load_model
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
@@ -27,11 +27,34 @@ def test_greedy_matches_transformers(loaded, tiny_model_dir):
     assert ours == expected[0, len(PROMPT) :].tolist()
 
 
+def test_batch_equals_one_at_a_time(loaded):
+    prompts = [PROMPT, PROMPT[:3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], PROMPT[2:]]
+    greedy = SamplingParams(max_tokens=8)
+    singles = [generate_ids(loaded.model, p, greedy) for p in prompts]
+    assert generate_batch(loaded.model, prompts, greedy) == singles
+    # Sequences stop on their own: the others carry on after one hits its end-of-sequence token.
+    eos = [singles[1][2]]
+    cut = [s[: s.index(eos[0]) + 1] if eos[0] in s else s for s in singles]
+    assert generate_batch(loaded.model, prompts, greedy, eos) == cut
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    together = generate_batch(loaded.model, prompts, sampled)
+    alone = [
+        generate_ids(loaded.model, p, SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i))
+        for i, p in enumerate(prompts)
+    ]
+    assert together == alone
+
+
 def test_stops_at_eos_and_stop_tokens(loaded):
     free = generate_ids(loaded.model, PROMPT, SamplingParams(max_tokens=6))
     assert len(free) == 6
-    assert generate_ids(loaded.model, PROMPT, SamplingParams(max_tokens=6), eos_token_ids=[free[2]]) == free[:3]
-    assert generate_ids(loaded.model, PROMPT, SamplingParams(max_tokens=6, stop_token_ids=(free[1],))) == free[:2]
+    assert (
+        generate_ids(loaded.model, PROMPT, SamplingParams(max_tokens=6), eos_token_ids=[free[2]]) == free[:3]
+    )
+    assert (
+        generate_ids(loaded.model, PROMPT, SamplingParams(max_tokens=6, stop_token_ids=(free[1],)))
+        == free[:2]
+    )
     ignoring = SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(free[1],))
     assert generate_ids(loaded.model, PROMPT, ignoring, eos_token_ids=[free[0]]) == free
 
@@ -49,7 +72,8 @@ def test_sampling_follows_the_distribution():
     gen = torch.Generator().manual_seed(0)
     n = 4000
     counts = torch.bincount(
-        torch.tensor([sample_next(logits, SamplingParams(temperature=1.0), gen) for _ in range(n)]), minlength=5
+        torch.tensor([sample_next(logits, SamplingParams(temperature=1.0), gen) for _ in range(n)]),
+        minlength=5,
     )
     expected = torch.softmax(logits, 0) * n
     assert ((counts - expected).abs() < 4 * expected.sqrt() + 5).all(), (counts, expected)
@@ -73,7 +97,9 @@ def test_top_k_top_p_min_p_restrict_the_support():
 def test_text_generation_and_errors(loaded):
     texts = generate(loaded, ["Hi", "Hello there"], SamplingParams(max_tokens=4))
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
-    with pytest.raises(ValueError, match="prompt_ids is empty"):
-        generate_ids(loaded.model, [], SamplingParams())
-    with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate_batch(loaded.model, [[5], []], SamplingParams())
+    with pytest.raises(
+        ValueError, match=r"prompt 0 \(2040 tokens\) \+ max_tokens \(10\) exceeds the model's 2048"
+    ):
         generate_ids(loaded.model, [5] * 2040, SamplingParams(max_tokens=10))

@@ -150,7 +150,9 @@ def test_container_matches_gguf_reader(tmp_path):
     w.add_array("a.nested", [[1, 2], [3]])
     w.add_tensor("f32", np.arange(6, dtype=np.float32).reshape(2, 3))
     w.add_tensor("f16", np.ones((3, 5), dtype=np.float16))
-    w.add_tensor("q8", quantize(np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor(
+        "q8", quantize(np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64), Q.Q8_0), raw_dtype=Q.Q8_0
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -177,7 +179,9 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_raw_blocks_stay_reachable(tiny_gguf):
     ckpt = GGUFCheckpoint(tiny_gguf)
     blocks, qtype, shape = ckpt.raw("blk.0.attn_k.weight")
-    assert qtype == Q.Q4_1 and shape == (64, 128) and blocks.dtype == np.uint8 and blocks.shape == (64, 4 * 20)
+    assert (
+        qtype == Q.Q4_1 and shape == (64, 128) and blocks.dtype == np.uint8 and blocks.shape == (64, 4 * 20)
+    )
     raw = dict(ckpt.raw_hf_tensors())["model.layers.0.self_attn.k_proj.weight"]
     assert np.array_equal(raw.blocks, unpermute_qk_rows(blocks, 4))
 
@@ -187,7 +191,9 @@ def test_loaded_model_matches_transformers(tiny_gguf):
     loaded = load_model(tiny_gguf)
     assert loaded.config.tie_word_embeddings and loaded.name == "tiny"
     ref = reference_model(transformers)
-    ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hi 42"}]))
+    ids = loaded.tokenizer.encode(
+        loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hi 42"}])
+    )
     cache = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
     ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache))
     with torch.no_grad():

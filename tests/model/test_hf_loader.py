@@ -16,7 +16,28 @@ from tests.tiny_model import build_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
+IDS = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+]
 
 
 def ours_logits(loaded, ids: list[int]) -> torch.Tensor:
@@ -35,7 +56,9 @@ def test_sharded_checkpoint_matches_transformers(tiny_model_dir):
     loaded = load_model(tiny_model_dir)
     assert loaded.name == tiny_model_dir.name and loaded.path == str(tiny_model_dir)
     assert loaded.config.architecture == "llama" and not loaded.config.tie_word_embeddings
-    torch.testing.assert_close(ours_logits(loaded, IDS), reference_logits(tiny_model_dir, IDS), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        ours_logits(loaded, IDS), reference_logits(tiny_model_dir, IDS), atol=1e-4, rtol=0
+    )
 
 
 def test_decode_with_cache_equals_full_forward(tiny_model_dir):
@@ -134,7 +157,9 @@ def test_sliding_window_refused(broken):
 
 def test_tokenizer_larger_than_model_vocab(broken):
     edit_config(broken, vocab_size=1000)
-    with pytest.raises(ValueError, match=r"tokenizer\.json has 49152 tokens but .*config\.json says vocab_size=1000"):
+    with pytest.raises(
+        ValueError, match=r"tokenizer\.json has 49152 tokens but .*config\.json says vocab_size=1000"
+    ):
         load_model(broken)
 
 

@@ -12,8 +12,13 @@ from pipeline.model.quant import QuantLinear, linear_weight_bytes
 
 pytestmark = pytest.mark.slow
 
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ def test_linears_hold_the_files_blocks_bit_exact(gguf_model, smollm2_path):
 
 def test_logits_match_float_path_and_bytes(gguf_model, smollm2_path):
     ref = load_model(smollm2_path)
-    ids = gguf_model.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    ids = gguf_model.tokenizer.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
 
     def logits(loaded):
         m = loaded.model

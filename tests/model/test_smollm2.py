@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.engine.request import SamplingParams
-from pipeline.generate import generate_ids
+from pipeline.generate import generate_batch
 from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.loader import load_model
 
@@ -98,7 +98,7 @@ def reference_tokens(reference, prompt_ids) -> list[list[int]]:
 
 def _greedy(model, prompts) -> list[list[int]]:
     sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    return [generate_ids(model, p, sampling) for p in prompts]
+    return generate_batch(model, prompts, sampling)
 
 
 def test_config_from_metadata(loaded):
@@ -113,7 +113,9 @@ def test_final_logits_match_float32(loaded, reference, prompt_ids):
     worst = 0.0
     for ids in prompt_ids:
         cache = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
-        ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1:])[0]
+        ours = loaded.model.compute_logits(
+            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1:]
+        )[0]
         with torch.no_grad():
             ref = reference(torch.tensor([ids])).logits[0, -1].float()
         worst = max(worst, (ours - ref).abs().max().item())
@@ -130,8 +132,13 @@ def test_bfloat16_agreement_rate(smollm2_path, prompt_ids, reference_tokens):
     bf16 = load_model(smollm2_path, dtype=torch.bfloat16)
     ours = _greedy(bf16.model, prompt_ids)
     identical = sum(a == b for a, b in zip(ours, reference_tokens)) / len(PROMPTS)
-    matched = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), NEW_TOKENS) for a, b in zip(ours, reference_tokens)]
+    matched = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), NEW_TOKENS)
+        for a, b in zip(ours, reference_tokens)
+    ]
     token_rate = sum(matched) / (NEW_TOKENS * len(PROMPTS))
-    print(f"bfloat16: {identical:.0%} of continuations identical, {token_rate:.0%} of tokens before first divergence")
+    print(
+        f"bfloat16: {identical:.0%} of continuations identical, {token_rate:.0%} of tokens before first divergence"
+    )
     # bf16 rounding flips near-ties, but most continuations and most leading tokens must survive.
     assert identical >= 0.5 and token_rate >= 0.7

@@ -6,25 +6,21 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.config import ModelConfig
+from pipeline.model.hf_file import config_from_hf
 from pipeline.model.llama import LlamaModel
 from pipeline.parallel import TPGroup
 
 
 def tiny_config() -> ModelConfig:
-    from tests.tiny_model import TINY_CONFIG as c
+    from tests.tiny_model import TINY_CONFIG
 
-    return ModelConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], rope_theta=c["rope_theta"],
-        rms_norm_eps=c["rms_norm_eps"], max_position_embeddings=c["max_position_embeddings"],
-        tie_word_embeddings=c["tie_word_embeddings"],
-    )
+    return config_from_hf({"architectures": ["LlamaForCausalLM"], **TINY_CONFIG}, Path("tests/tiny_model.py"))
 
 
 class SequenceExecutor:

@@ -27,6 +27,7 @@ def check_agreement(reference, tp, label: str) -> None:
 
 @pytest.mark.slow
 def test_tiny_model_tp2_equals_single(tiny_model_dir):
+    """(Quantized tiny models under TP: tests/model/test_quant_tp.py.)"""
     prompts = random_prompts(PROMPTS, vocab=49152)
     reference = greedy(load_model(tiny_model_dir), prompts, max_tokens=8)
     check_agreement(reference, greedy_tp(tiny_model_dir, prompts, 8, tensor_parallel=2), "tiny N=2")

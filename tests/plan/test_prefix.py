@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.plan.prefix import common_prefix_len, ordered_windows, prefix_order, unique_prefix_tokens
+from pipeline.plan.prefix import PrefixTreeCounter, common_prefix_len, prefix_order, unique_prefix_tokens
 
 seqs = st.lists(st.lists(st.integers(0, 4), max_size=8), max_size=30)
 
@@ -47,13 +47,12 @@ def test_common_prefix_len():
     assert common_prefix_len([5, 6], [5, 6]) == 2
 
 
-@given(seqs, st.integers(1, 7), st.booleans())
-def test_windows_cover_every_item_once_in_bounded_windows(s, w, sort):
-    windows = list(ordered_windows(list(enumerate(s)), lambda x: x[1], w, sort))
-    assert all(len(win) <= w for win in windows)
-    flat = [i for win in windows for i, _ in win]
-    assert sorted(flat) == list(range(len(s)))
-    if not sort:
-        assert flat == list(range(len(s)))
-    for k, win in enumerate(windows):  # each window holds exactly its slice of the input
-        assert sorted(i for i, _ in win) == list(range(k * w, min(len(s), (k + 1) * w)))
+@given(seqs, st.randoms(use_true_random=False))
+def test_counter_matches_the_trie_in_any_insertion_order(s, rnd):
+    order = list(range(len(s)))
+    rnd.shuffle(order)
+    counter, added = PrefixTreeCounter(), []
+    for k, i in enumerate(order):
+        added.append(counter.add(s[i]))
+        assert counter.total == unique_prefix_tokens([s[j] for j in order[: k + 1]])
+    assert sum(added) == counter.total == unique_prefix_tokens(s)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.slurm.conftest import REPO, SCRIPTS
 
-pytestmark = pytest.mark.slow  # whole jobs under a real Slurm: tens of seconds
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]  # whole jobs under a real Slurm: tens of seconds
 
 SAMPLE = REPO / "data" / "sample"
 
@@ -81,8 +81,8 @@ def _committed(out: Path, units: range) -> dict[str, float]:
 def test_usr1_mid_run_requeues_and_resumes_exactly(slurm_cluster, tiny_model_dir, tmp_path):
     out, logs = tmp_path / "out", tmp_path / "logs"
     logs.mkdir()
-    # One row at a time, so that shard 1 (units 20..39 of 5 rows, 1,600 decode steps) takes seconds.
-    args = job_args(tiny_model_dir, out, "sampling.max_tokens=16", "output.rows_per_part=5",
+    # One row at a time, so that shard 1 (units 20..39 of 5 rows, 800 decode steps) takes seconds.
+    args = job_args(tiny_model_dir, out, "sampling.max_tokens=8", "output.rows_per_part=5",
                     "engine.max_batch_size=1", "runtime.grace_s=20")
     job = slurm_cluster.sbatch("--array=0-1", "--cpus-per-task=1", f"--output={logs}/%A_%a.out", f"--chdir={REPO}",
                                str(SCRIPTS / "pipeline.sbatch"), *args, env=job_env())

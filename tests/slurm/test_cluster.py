@@ -18,7 +18,7 @@ import pytest
 from tests.slurm.conftest import SCRIPTS
 
 SBATCH = SCRIPTS / "pipeline.sbatch"
-pytestmark = pytest.mark.slow  # real daemons and jobs: seconds each
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]  # real daemons and jobs: seconds each
 
 
 def test_sacct_standin_reports_each_array_task(slurm_cluster, tmp_path):
@@ -128,3 +128,14 @@ def test_sbatch_gives_up_after_max_requeues(slurm_cluster, tmp_path, fake_job):
     states = slurm_cluster.wait(job, tasks=1, timeout_s=60)
     assert states[job] == ("FAILED", "75:0")
     assert "not requeueing" in _log(tmp_path, job, 0)
+
+
+def test_time_limit_warning_reaches_the_job(slurm_cluster, tmp_path, fake_job):
+    """--signal=B:USR1@50 with a 1-minute limit: Slurm itself signals the shell, which passes it on."""
+    env = {"PIPELINE_PYTHON": str(fake_job), "FAKE_SECONDS": "55", "PIPELINE_MAX_REQUEUES": "0"}
+    job = slurm_cluster.sbatch("--cpus-per-task=1", "--time=1", "--signal=B:USR1@50",
+                               f"--output={tmp_path}/%j_0.out", str(SBATCH), env=env)
+    states = slurm_cluster.wait(job, tasks=1, timeout_s=90)
+    log = _log(tmp_path, job, 0)
+    assert "fake signals ['SIGUSR1']" in log, log
+    assert states[job] == ("FAILED", "75:0")

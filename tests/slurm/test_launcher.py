@@ -12,7 +12,7 @@ import pytest
 from tests.slurm.conftest import REPO
 from tests.slurm.test_array import assert_exact_and_verified, job_args, job_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 
 def test_submitit_launcher_runs_every_shard(slurm_cluster, tiny_model_dir, tmp_path):

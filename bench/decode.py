@@ -1,0 +1,113 @@
+"""Single-sequence prefill and decode speed of the model, and the weight bytes one decode step reads.
+
+    python bench/decode.py                     # default model (SmolLM2 GGUF), float32 and bfloat16
+    python bench/decode.py --batch 64          # also a decode step over 64 sequences at once
+    python bench/decode.py --profile           # plus the top operators of one decode step
+
+Prints one line per dtype with prefill tokens/s, decode tokens/s, weight bytes per token and the memory
+bandwidth that implies; records the load average, since the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from pipeline.generate import SequenceCaches
+from pipeline.model.attention import ContiguousKVCache
+from pipeline.model.loader import LoadedModel, load_model
+
+
+def timed(fn, repeats: int) -> float:
+    """Best-of-`repeats` wall time of fn() in seconds (best, because the machine is shared)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@torch.inference_mode()
+def prefill_seconds(lm: LoadedModel, ids: torch.Tensor, repeats: int) -> float:
+    model = lm.model
+
+    def run():
+        cache = ContiguousKVCache(model.config.num_layers, model.scale)
+        model.compute_logits(model(ids, torch.arange(len(ids)), cache)[-1:])
+
+    return timed(run, repeats)
+
+
+@torch.inference_mode()
+def decode_seconds_per_step(lm: LoadedModel, context: int, steps: int, batch: int) -> float:
+    """Mean time of a decode step (forward of `batch` tokens + logits + argmax) after a `context` prefill."""
+    model = lm.model
+    attn = SequenceCaches(model, batch)
+    for b in range(batch):
+        attn.select([b], [context])
+        model(torch.arange(100 + b, 100 + b + context), torch.arange(context), attn)
+    attn.select(range(batch), [1] * batch)
+    tokens = torch.full((batch,), 5)
+    total = 0.0
+    for i in range(steps + 2):
+        t = time.perf_counter()
+        tokens = model.compute_logits(model(tokens, torch.full((batch,), context + i), attn)).argmax(-1)
+        if i >= 2:  # first steps warm up allocator and caches
+            total += time.perf_counter() - t
+    return total / steps
+
+
+def profile_step(lm: LoadedModel, batch: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        decode_seconds_per_step(lm, 64, 4, batch)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)"
+    )
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument(
+        "--batch", type=int, default=0, help="also time one decode step over this many sequences"
+    )
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}"
+    )
+    for name in args.dtypes:
+        lm = load_model(args.model, dtype=getattr(torch, name))
+        ids = torch.arange(1000, 1000 + args.prompt_len)
+        prefill = prefill_seconds(lm, ids, repeats=3)
+        step = decode_seconds_per_step(lm, args.prompt_len, args.decode_steps, batch=1)
+        per_token = lm.bytes_read_per_token
+        print(
+            f"{lm.name} {name}: prefill {args.prompt_len / prefill:8.1f} tok/s | decode {1 / step:6.1f} tok/s "
+            f"({step * 1e3:.1f} ms/step) | weights read/token {per_token / 1e6:.1f} MB "
+            f"-> {per_token / step / 1e9:.1f} GB/s | weights in memory {lm.weight_bytes / 1e6:.1f} MB"
+        )
+        if args.batch:
+            step_b = decode_seconds_per_step(lm, args.prompt_len, max(4, args.decode_steps // 8), args.batch)
+            print(f"    batch {args.batch}: {step_b * 1e3:.1f} ms/step = {args.batch / step_b:.1f} tok/s")
+        if args.profile:
+            for batch in (1, args.batch) if args.batch else (1,):
+                print(f"--- profile of decode steps at batch {batch} ({name})")
+                profile_step(lm, batch)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
