@@ -43,29 +43,41 @@ def prefill_seconds(lm: LoadedModel, ids: torch.Tensor, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def decode_seconds_per_step(lm: LoadedModel, context: int, steps: int, batch: int) -> float:
-    """Mean time of a decode step (forward of `batch` tokens + logits + argmax) after a `context` prefill."""
-    model = lm.model
-    attn = SequenceCaches(model, batch)
+def prefilled(lm: LoadedModel, context: int, batch: int) -> SequenceCaches:
+    """Caches of `batch` sequences holding `context` tokens each, selected for a one-token decode step."""
+    attn = SequenceCaches(lm.model, batch)
     for b in range(batch):
         attn.select([b], [context])
-        model(torch.arange(100 + b, 100 + b + context), torch.arange(context), attn)
+        lm.model(torch.arange(100 + b, 100 + b + context), torch.arange(context), attn)
     attn.select(range(batch), [1] * batch)
+    return attn
+
+
+@torch.inference_mode()
+def decode_steps(lm: LoadedModel, attn: SequenceCaches, first_position: int, steps: int) -> float:
+    """Seconds per decode step (forward of one token per sequence + logits + argmax)."""
+    batch = len(attn.caches)
     tokens = torch.full((batch,), 5)
-    total = 0.0
-    for i in range(steps + 2):
-        t = time.perf_counter()
-        tokens = model.compute_logits(model(tokens, torch.full((batch,), context + i), attn)).argmax(-1)
-        if i >= 2:  # first steps warm up allocator and caches
-            total += time.perf_counter() - t
-    return total / steps
+    t = time.perf_counter()
+    for i in range(steps):
+        positions = torch.full((batch,), first_position + i)
+        tokens = lm.model.compute_logits(lm.model(tokens, positions, attn)).argmax(-1)
+    return (time.perf_counter() - t) / steps
 
 
-def profile_step(lm: LoadedModel, batch: int) -> None:
+def decode_seconds_per_step(lm: LoadedModel, context: int, steps: int, batch: int) -> float:
+    attn = prefilled(lm, context, batch)
+    decode_steps(lm, attn, context, 2)  # warm-up: allocator, caches
+    return decode_steps(lm, attn, context + 2, steps)
+
+
+def profile_step(lm: LoadedModel, batch: int, context: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    attn = prefilled(lm, context, batch)
+    decode_steps(lm, attn, context, 1)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        decode_seconds_per_step(lm, 64, 4, batch)
+        decode_steps(lm, attn, context + 1, 4)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
@@ -105,7 +117,7 @@ def main() -> None:
         if args.profile:
             for batch in (1, args.batch) if args.batch else (1,):
                 print(f"--- profile of decode steps at batch {batch} ({name})")
-                profile_step(lm, batch)
+                profile_step(lm, batch, args.prompt_len)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

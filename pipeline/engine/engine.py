@@ -93,7 +93,6 @@ class Engine:
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(config.seed)
         self._next_seq_id = 0
-        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -126,7 +125,7 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()
-        self._block_copies = []
+        self.kv.pending_copies = []
 
     def add_request(self, request: Request) -> list[Result]:
         """Queue one request for the next steps; returns its error results if it cannot run (else [])."""
@@ -146,8 +145,8 @@ class Engine:
         if self.scheduler.waiting:
             stats.steady_steps += 1
             stats.steady_running_sum += len(work)
-        batch, samplers = build_batch(work, self.config.block_size, self._block_copies)
-        self._block_copies = []
+        batch, samplers = build_batch(work, self.config.block_size, self.kv.pending_copies)
+        self.kv.pending_copies = []
         t1 = time.perf_counter()
         attention_before = self.runner.attn.attention_seconds
         logits = self.runner.execute(batch)
@@ -246,11 +245,9 @@ class Engine:
                     parent.sampling, parent.base_seed,
                 )
                 child.num_cached = parent.num_cached
-                copies = self.kv.fork(parent, child)
-                if copies is None:  # no block for its copy: recompute later instead
+                if not self.kv.fork(parent, child):  # no block for its copy: recompute later instead
                     self.scheduler.waiting.appendleft(child)
                     continue
-                self._block_copies.extend(copies)
                 child.status = Status.RUNNING
                 self.scheduler.running.append(child)
                 rows.append(row)

@@ -48,8 +48,11 @@ class KVCacheManager:
         self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self.serial_of: list[int | None] = [None] * num_blocks
         self.parent_serial_of: list[int | None] = [None] * num_blocks
+        self.children: dict[int, set[int]] = {}  # parent serial -> registered blocks continuing it
         self._next_serial = 1
         self.evictions = 0
+        # (src, dst) block copies the runner must make before the next forward: partial-block reuse and forks.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free(self) -> int:
@@ -83,14 +86,42 @@ class KVCacheManager:
             parent_serial = self.serial_of[block]
         return matched
 
-    def admit(self, seq: Sequence, matched: list[int]) -> None:
-        """Start seq's block table with the matched cached blocks (taking a reference on each)."""
+    def match_partial(self, seq: Sequence, matched: list[int]) -> tuple[int, int] | None:
+        """(block, r): a registered block continuing the matched chain whose first r >= 1 tokens equal
+        seq's next tokens (the longest such), so those r positions can be copied instead of computed.
+        Token-level reuse past the last shared full block: rows sharing a prefix that ends mid-block."""
+        if not self.prefix_caching:
+            return None
+        start = len(matched) * self.block_size
+        want = seq.token_ids[start : start + min(self.block_size, seq.num_tokens - 1 - start)]
+        parent = self.serial_of[matched[-1]] if matched else _ROOT
+        best = None
+        for block in self.children.get(parent, ()):
+            r = 0
+            for a, b in zip(self.tokens_of[block], want):
+                if a != b:
+                    break
+                r += 1
+            if r and (best is None or r > best[1]):
+                best = (block, r)
+        return best
+
+    def admit(self, seq: Sequence, matched: list[int], partial: tuple[int, int] | None = None) -> None:
+        """Start seq's block table with the matched cached blocks (taking a reference on each) and, with
+        `partial`, a fresh block that receives a copy of the partly matching block's K/V."""
         assert not seq.block_table, "sequence already holds blocks"
         for block in matched:
             self._take(block)
         seq.block_table = list(matched)
         seq.block_serials = [self.serial_of[b] for b in matched]
         seq.num_computed = len(matched) * self.block_size
+        if partial is not None:
+            # Copies run before the next forward writes anything, so the source stays intact even if it
+            # is handed out again (even as this very destination) in the same step.
+            dst = self._pop_free()
+            self.pending_copies.append((partial[0], dst))
+            seq.block_table.append(dst)
+            seq.num_computed += partial[1]
 
     def commit(self, seq: Sequence) -> None:
         """Register seq's blocks that became full and computed, so later sequences can reuse them."""
@@ -108,6 +139,7 @@ class KVCacheManager:
             block, existing = seq.block_table[i], self.cached.get(hashes[i])
             if existing is None:
                 self.cached[hashes[i]] = block
+                self.children.setdefault(parent_serial, set()).add(block)
                 self.hash_of[block], self.tokens_of[block] = hashes[i], tokens
                 self.serial_of[block], self.parent_serial_of[block] = self._next_serial, parent_serial
                 self._next_serial += 1
@@ -144,26 +176,26 @@ class KVCacheManager:
         seq.block_serials = []
         seq.num_computed = 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Let child share parent's computed blocks. A partly filled last block is copied (the two will
-        write different tokens into it): returns the (src, dst) block copies to make, or None when no
-        block is free for that copy (the child must then recompute instead)."""
+        write different tokens into it, see pending_copies); False when no block is free for that copy
+        (the child must then recompute instead)."""
         table = list(parent.block_table)
-        copies: list[tuple[int, int]] = []
-        if parent.num_computed % self.block_size:
+        partial = parent.num_computed % self.block_size != 0
+        if partial:
             if not self.free:
-                return None
+                return False
             dst = self._pop_free()
-            copies.append((table[-1], dst))
+            self.pending_copies.append((table[-1], dst))
             table[-1] = dst
-        for block in table[:-1] if copies else table:
+        for block in table[:-1] if partial else table:
             self._take(block)
         child.block_table = table
         full = parent.num_computed // self.block_size
         child.block_serials = parent.block_serials[:full]
         child.block_hashes = parent.block_hashes[:full]
         child.num_computed = parent.num_computed
-        return copies
+        return True
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:
@@ -175,6 +207,11 @@ class KVCacheManager:
         if self.hash_of[block] is not None:
             if self.cached.get(self.hash_of[block]) == block:
                 del self.cached[self.hash_of[block]]
+            siblings = self.children.get(self.parent_serial_of[block])
+            if siblings is not None:
+                siblings.discard(block)
+                if not siblings:
+                    del self.children[self.parent_serial_of[block]]
             self.hash_of[block] = self.tokens_of[block] = None
             self.serial_of[block] = self.parent_serial_of[block] = None
             self.evictions += 1

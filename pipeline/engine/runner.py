@@ -103,7 +103,7 @@ class PagedAttention:
         self.scale = scale
         self.batch: StepBatch | None = None
         self.attention_seconds = 0.0
-        self._decode_mask: torch.Tensor | None = None
+        self._decode_mask: torch.Tensor | None = None  # additive: 0 for keys, -inf for padding
         self._decode_rows: torch.Tensor | None = None  # rows of the [Hkv * num_blocks, block] pool view
         self._prefills: list[tuple[int, int, int, torch.Tensor]] = []  # (row lo, row hi, keys, pool rows)
         self._key_buf = self._value_buf = torch.empty(0, dtype=dtype, device=device)
@@ -116,8 +116,11 @@ class PagedAttention:
             lens = batch.context_lens[:d]
             width = -(-int(lens.max()) // self.block_size)
             self._decode_rows = self._pool_rows(batch.block_tables[:d, :width].reshape(-1))
+            hkv = self.k[0].shape[0]
             keys = torch.arange(width * self.block_size, device=lens.device)
-            self._decode_mask = (keys[None, :] >= lens[:, None])[None, :, None, :]  # [1, d, 1, L]
+            mask = torch.zeros(d, 1, keys.numel(), dtype=self.k[0].dtype, device=lens.device)
+            mask.masked_fill_((keys[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+            self._decode_mask = mask.repeat(hkv, 1, 1)  # additive, [Hkv * d, 1, L]
             # One gather buffer per step for all layers: fresh large tensors cost page faults every time.
             row = self.block_size * self.k[0].shape[-1]
             if self._key_buf.numel() < self._decode_rows.numel() * row:
@@ -146,8 +149,12 @@ class PagedAttention:
         flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
         flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
         flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-        out = torch.empty_like(q)
         d = batch.num_decodes
+        if d == q.shape[0]:  # decodes only (the steady state): no output assembly needed
+            out = self._decode(q, kp, vp)
+            self.attention_seconds += time.perf_counter() - t0
+            return out
+        out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], kp, vp)
         for lo, hi, length, rows in self._prefills:
@@ -167,13 +174,13 @@ class PagedAttention:
         size = rows.numel() * width
         keys = torch.index_select(kp.view(-1, width), 0, rows, out=self._key_buf[:size].view(-1, width))
         values = torch.index_select(vp.view(-1, width), 0, rows, out=self._value_buf[:size].view(-1, width))
-        keys, values = keys.view(hkv, d, -1, dim), values.view(hkv, d, -1, dim)  # [Hkv, d, L, D]
-        qg = q.view(d, hkv, group, dim).transpose(0, 1).contiguous()  # [Hkv, d, group, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, d, group, L]
-        scores.masked_fill_(self._decode_mask, float("-inf"))
+        keys, values = keys.view(hkv * d, -1, dim), values.view(hkv * d, -1, dim)  # [Hkv * d, L, D]
+        qg = q.view(d, hkv, group, dim).transpose(0, 1).reshape(hkv * d, group, dim)
+        # mask + scale * q k^T in one call (in the model dtype, as causal_attention), softmax in float32.
+        scores = torch.baddbmm(self._decode_mask, qg, keys.transpose(1, 2), alpha=self.scale).float()
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [Hkv, d, group, D]
-        return out.transpose(0, 1).reshape(d, hq, dim)
+        out = torch.bmm(probs, values)  # [Hkv * d, group, D]
+        return out.view(hkv, d, group, dim).transpose(0, 1).reshape(d, hq, dim)
 
 
 class Runner:

@@ -79,13 +79,14 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 self.held += 1
                 continue
-            start = len(matched) * bs
+            partial = self.kv.match_partial(seq, matched)
+            start = len(matched) * bs + (partial[1] if partial else 0)
             n = min(seq.num_tokens - start, budget)
             reclaimed = sum(1 for b in matched if self.kv.ref_count[b] == 0)  # taken out of the free queue
             if -(-(start + n) // bs) - len(matched) + reclaimed > self.kv.num_free:
                 break
             self.waiting.popleft()
-            self.kv.admit(seq, matched)
+            self.kv.admit(seq, matched, partial)
             if not self.kv.allocate(seq, n):
                 raise AssertionError("block accounting out of sync with admission check")
             if seq.num_cached < 0:

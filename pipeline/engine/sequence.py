@@ -72,7 +72,3 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
-
-    @property
-    def in_prompt_prefill(self) -> bool:
-        return self.num_computed < self.num_prompt_tokens

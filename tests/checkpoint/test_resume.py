@@ -105,7 +105,9 @@ def test_slurm_array_env_selects_the_shard_and_an_empty_shard_exits_0(job_runner
         rc, log = job_runner.run([*job_args, f"output.path={out}"], {**slurm, "SLURM_ARRAY_TASK_ID": str(task)})
         assert rc == 0, log
         assert ("shard 0/30 nothing to do" in log) == (task == 0)
-    assert [r[0] for r in stable(read_output(str(out)))] == [1000, 1001, 1046, 1047]  # units 0 and 23
+    assert sorted(p.stem for p in (out / "_progress").glob("*.json")) == ["000000", "000023"]
+    committed = stable(read_output(str(out)))
+    assert len(committed) == 4 and set(committed) <= set(reference)
     assert not (out / "_SUCCESS").exists()
     # Units do not depend on the split: the rest can be finished by a run with another shard count.
     rc, log = job_runner.run([*job_args, f"output.path={out}", "runtime.num_shards=1"])

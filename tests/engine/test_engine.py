@@ -163,10 +163,10 @@ def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(tiny):
     on, engine_on = run(tiny, reqs, max_batched_tokens=512)
     off, engine_off = run(tiny, reqs, max_batched_tokens=512, prefix_caching=False)
     assert all(on[i, 0].token_ids == off[i, 0].token_ids for i in range(32))
-    unique = 4 * 64 + sum(len(q) for q in questions)
+    lower_bound = len({tuple(p[:j]) for p in prompts for j in range(1, len(p) + 1)})  # prefix-tree nodes
     assert engine_off.stats.prefill_tokens == sum(len(p) for p in prompts)
-    # Each shared prefix is computed once (full blocks); questions and the partial tail are computed per row.
-    assert engine_on.stats.prefill_tokens <= unique + 32 * 16
+    # Each shared prefix is computed once, including its tail inside a partly shared block.
+    assert engine_on.stats.prefill_tokens <= 1.05 * lower_bound
     assert engine_on.stats.cached_tokens == sum(on[i, 0].cached_tokens for i in range(32)) > 0
     assert engine_on.stats.held > 0
 

@@ -85,13 +85,31 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     parent = _seq(list(range(1, 7)))  # 1 full block + 2 tokens
     _run(kv, parent)
     child = _seq(parent.token_ids, 1)
-    copies = kv.fork(parent, child)
+    assert kv.fork(parent, child)
     assert child.block_table[0] == parent.block_table[0]
-    assert copies == [(parent.block_table[1], child.block_table[1])]
+    assert kv.pending_copies == [(parent.block_table[1], child.block_table[1])]
     assert kv.ref_count[parent.block_table[0]] == 2 and kv.ref_count[parent.block_table[1]] == 1
     kv.release(parent)
     kv.release(child)
     assert kv.is_idle_whole()
+
+
+def test_partial_block_reuse_copies_the_longest_matching_continuation():
+    kv = KVCacheManager(16, BS)
+    for i, tokens in enumerate(([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 0, 0, 9])):
+        seq = _seq(tokens, i)
+        _run(kv, seq)
+        kv.release(seq)
+    seq = _seq([1, 2, 3, 4, 5, 6, 7, 1, 1], 2)
+    matched = kv.match_prefix(seq)
+    block, r = kv.match_partial(seq, matched)
+    assert len(matched) == 1 and r == 3 and kv.tokens_of[block] == (5, 6, 7, 8)
+    kv.admit(seq, matched, (block, r))
+    assert seq.num_computed == 7 and kv.pending_copies == [(block, seq.block_table[1])]
+    # Never the whole prompt: the last token stays to be computed.
+    short = _seq([1, 2, 3, 4, 5, 6], 3)
+    assert kv.match_partial(short, kv.match_prefix(short))[1] == 1
+    assert kv.match_partial(_seq([9, 9, 9], 4), []) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -112,11 +130,18 @@ def test_cache_properties(prompts, num_blocks, data):
         for j, block in enumerate(matched):
             assert content[block] == tuple(tokens[: (j + 1) * BS])
         assert len(matched) * BS <= len(tokens) - 1
+        partial = kv.match_partial(seq, matched)
+        if partial is not None:
+            block, r = partial
+            start = len(matched) * BS
+            assert content[block][: start + r] == tuple(tokens[: start + r])
+            assert start + r <= len(tokens) - 1
         needed = kv.blocks_needed(seq, len(tokens)) - len(matched)
         reclaimed = sum(1 for b in matched if kv.ref_count[b] == 0)
         if needed + reclaimed > kv.num_free:
             continue
-        kv.admit(seq, matched)
+        kv.admit(seq, matched, partial)
+        kv.pending_copies.clear()
         assert kv.allocate(seq, len(tokens) - seq.num_computed)
         seq.num_computed = len(tokens)
         kv.commit(seq)

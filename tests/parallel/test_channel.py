@@ -9,7 +9,15 @@ import torch
 
 from pipeline.engine.runner import StepBatch
 from pipeline.engine.tp_runner import pack_batch, unpack_batch
-from pipeline.parallel import TorchrunEnv, backend_for, pack_tensors, threads_per_rank, unpack_tensors
+from pipeline.parallel import (
+    SINGLE,
+    StepChannel,
+    TorchrunEnv,
+    backend_for,
+    pack_tensors,
+    threads_per_rank,
+    unpack_tensors,
+)
 
 
 def roundtrip(tensors):
@@ -41,10 +49,15 @@ def test_pack_of_nothing_and_bad_dtype():
         pack_tensors([torch.zeros(2, dtype=torch.complex64)])
 
 
-def test_decode_step_message_is_small():
-    batch = 64
-    step = [torch.arange(batch), torch.arange(batch), torch.arange(batch), torch.zeros(batch, 32, dtype=torch.int32)]
-    assert len(pack_tensors(step)) < 16 * 1024  # fits the channel's single 64 KiB broadcast
+def test_decode_step_of_64_sequences_fits_one_broadcast():
+    batch, width = 64, 32  # 512-token contexts in blocks of 16
+    step = StepBatch(
+        input_ids=torch.zeros(batch, dtype=torch.long), positions=torch.zeros(batch, dtype=torch.long),
+        slot_mapping=torch.zeros(batch, dtype=torch.long), query_start=torch.arange(batch + 1),
+        context_lens=torch.full((batch,), 512), block_tables=torch.zeros(batch, width, dtype=torch.long),
+        num_decodes=batch, logits_rows=torch.arange(batch),
+    )
+    assert len(pack_tensors(pack_batch(step))) + 16 <= StepChannel(SINGLE).capacity
 
 
 def test_torchrun_env():
