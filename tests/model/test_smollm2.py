@@ -125,12 +125,14 @@ def test_final_logits_match_float32(loaded, reference, prompt_ids):
 def test_greedy_tokens_match_float32(loaded, prompt_ids, reference_tokens):
     ours = _greedy(loaded.model, prompt_ids)
     same = sum(a == b for a, b in zip(ours, reference_tokens))
+    print(f"float32: {same}/{len(PROMPTS)} greedy continuations identical")
     assert len(PROMPTS) >= 32 and same >= len(PROMPTS) - 1, f"{same}/{len(PROMPTS)} identical"
 
 
 def test_bfloat16_agreement_rate(smollm2_path, prompt_ids, reference_tokens):
     bf16 = load_model(smollm2_path, dtype=torch.bfloat16)
-    ours = _greedy(bf16.model, prompt_ids)
+    # One prompt at a time: torch's CPU bf16 GEMM is several times slower than fp32 once it has many rows.
+    ours = [_greedy(bf16.model, [p])[0] for p in prompt_ids]
     identical = sum(a == b for a, b in zip(ours, reference_tokens)) / len(PROMPTS)
     matched = [
         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), NEW_TOKENS)

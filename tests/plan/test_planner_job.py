@@ -147,7 +147,7 @@ def test_a_kv_budget_below_one_groups_working_set_completes(tmp_path, tiny_model
     run(job(tiny_model_dir, directory, roomy, *longer), stdout=io.StringIO())
     tight = tmp_path / "tight"
     # 10 blocks of 16 tokens (2 layers x 4 KV heads x 16 dims x 4 bytes x K,V = 16 KiB a block); one group
-    # (6 rows of ~95 prompt + 40 new tokens) needs 5 shared + 6 x 3 own blocks at once
+    # (6 rows of ~100 prompt + 40 new tokens) needs ~5 shared + 6 x ~4 own blocks at once
     metrics = run(job(tiny_model_dir, directory, tight, *longer, "engine.kv_cache_memory=160KiB"),
                   stdout=io.StringIO())
     assert outputs(tight) == outputs(roomy) and len(outputs(tight)) == n
