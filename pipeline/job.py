@@ -100,6 +100,14 @@ def _model_path(cfg: JobConfig) -> str:
     return cfg.model.path
 
 
+def _model_options(cfg: JobConfig) -> dict[str, Any]:
+    """How every rank loads the model (the job's rank 0, its workers, or torchrun's ranks)."""
+    import torch
+
+    return {"dtype": getattr(torch, cfg.model.dtype), "device": cfg.engine.device, "quant": cfg.model.quant,
+            "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel}
+
+
 @dataclass
 class _Pending:
     """An input row whose samples are still in the engine."""
@@ -203,8 +211,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
 
         from pipeline.engine.tp_runner import serve_as_torchrun_worker
 
-        if serve_as_torchrun_worker(model_path, getattr(torch, cfg.model.dtype), cfg.engine.device,
-                                    tensor_parallel=cfg.engine.tensor_parallel):
+        if serve_as_torchrun_worker(model_path, **_model_options(cfg)):
             return {"rows": 0, "status": "tensor-parallel worker"}
     fingerprint = cfg.fingerprint()
     metadata = {"pipeline.model": cfg.model.name, "pipeline.model_path": model_path,
@@ -230,9 +237,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     from pipeline.engine.tp_runner import open_model
 
     try:
-        loaded = resources.enter_context(open_model(
-            model_path, getattr(torch, cfg.model.dtype), cfg.engine.device, tensor_parallel=cfg.engine.tensor_parallel
-        ))
+        loaded = resources.enter_context(open_model(model_path, **_model_options(cfg)))
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"cannot load model {model_path}: {e}") from None
     try:

@@ -73,6 +73,8 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("output.mode=append", "output.mode"),
     ("output.rows_per_part=0", "output.rows_per_part"),
     ("model.dtype=int3", "model.dtype"),
+    ("model.quant=int3", "model.quant"),
+    ("model.quant_group_size=48", "model.quant_group_size"),
     ("progress.mode=fancy", "progress.mode"),
     ("progress.log_every_s=0", "progress.log_every_s"),
     ("input.path=[]", "input.path"),

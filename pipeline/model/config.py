@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Weight-only quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py).
+QUANT_SCHEMES = ("none", "int8", "int4", "gguf")
+QUANT_GROUP_SIZES = (32, 64, 128)
+
 
 @dataclass(frozen=True)
 class ModelConfig:

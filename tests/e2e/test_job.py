@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.config import load_job_config
+from pipeline.errors import JobError
 from pipeline.job import run
 from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.loader import load_model
@@ -229,3 +230,28 @@ def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
             ref = torch.log_softmax(tiny_loaded.model.compute_logits(hidden[-1:])[0], -1).topk(3)
         assert sorted(steps[0]) == sorted(ref.indices.tolist())
         assert [steps[0][i] for i in ref.indices.tolist()] == pytest.approx(ref.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, quant):
+    """`model.quant` reaches the loader: fewer weight bytes, and the job's tokens are the plain greedy
+    decode of the same quantized model."""
+    n_rows = write_shards(tmp_path / "in")
+    out = tmp_path / "out"
+    metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, f"model.quant={quant}",
+                      "output.token_ids=true"), stdout=io.StringIO())
+    assert metrics["weight_bytes"] < tiny_loaded.weight_bytes
+    df = pl.read_parquet(out / "*.parquet").sort("id")
+    assert df["id"].to_list() == list(range(n_rows)) and df["error"].null_count() == n_rows
+    quantized = load_model(tiny_model_dir, quant=quant)
+    tok = quantized.tokenizer
+    row = df.row(0, named=True)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Question number 0: what comes next?"}]))
+    assert row["token_ids"] == greedy_reference(quantized, prompt, 4)
+
+
+def test_gguf_quant_needs_a_gguf_file(tmp_path, tiny_model_dir):
+    write_shards(tmp_path / "in")
+    with pytest.raises(JobError, match="gguf"):
+        run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", tmp_path / "out", "model.quant=gguf"),
+            stdout=io.StringIO())
