@@ -217,7 +217,10 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     """Turn Hydra's composed config into validated objects; raise JobError naming the bad key."""
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        schema: JobSchema = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobSchema), cfg))
+        # Merge plain values, not Hydra's node: a `+input.key=...` override unlocks its node, and merging
+        # that node would carry the unknown key through silently.
+        plain = {k: v for k, v in resolved.items() if k != "hydra"}
+        schema: JobSchema = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobSchema), plain))
     except Exception as e:  # OmegaConf's errors carry the full key in their message
         raise JobError(f"invalid config: {e}") from None
     _check_input(schema.input)
@@ -243,7 +246,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         progress=schema.progress,
         runtime=schema.runtime,
         plan=schema.plan,
-        resolved={k: v for k, v in resolved.items() if k != "hydra"},
+        resolved=plain,
     )
 
 

@@ -141,3 +141,9 @@ def test_job_file_with_unknown_key_fails_while_composing(tmp_path):
             pytest.raises(ConfigCompositionException) as e:
         compose("config", overrides=args)
     assert "temprature" in str(e.value) + str(e.value.__cause__)
+
+
+def test_appended_unknown_key_is_rejected():
+    """Hydra lets `+key=value` add keys the schema lacks; the job still refuses them by name."""
+    with pytest.raises(JobError, match="nonsense"):
+        load_job_config(compose_job("+input.nonsense=1"))
