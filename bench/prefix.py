@@ -7,9 +7,10 @@ computed prompt tokens against two bounds and the generate-time ratio, and check
 identical token for token.
 
 - lower bound: distinct prefix-tree nodes of the prompts (the least prefill any order can do);
-- block bound: the same when a row can only reuse whole cached blocks of `engine.block_size` tokens
-  (what a perfect block-granular cache computes: each row recomputes the part of its shared prefix
-  after the last full block). computed == block bound means admission wasted nothing.
+- block bound: what a perfect cache of whole blocks of `engine.block_size` tokens computes (each row
+  recomputes the part of its shared prefix after the last full block). The engine also copies the
+  matching head of a partly shared block, so it can go below this; above it means admission recomputed
+  a prefix another row was computing (or preemption recomputed it).
 
     python bench/prefix.py                 # 8 x 32 rows, 300-token system prompts, 64 new tokens
     python bench/prefix.py --small         # 4 x 12 rows, 32 new tokens (a few minutes on 2 busy cores)
