@@ -19,16 +19,7 @@ import torch
 from pipeline.generate import SequenceCaches
 from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.loader import LoadedModel, load_model
-
-
-def timed(fn, repeats: int) -> float:
-    """Best-of-`repeats` wall time of fn() in seconds (best, because the machine is shared)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from pipeline.probe import best_seconds
 
 
 @torch.inference_mode()
@@ -39,7 +30,7 @@ def prefill_seconds(lm: LoadedModel, ids: torch.Tensor, repeats: int) -> float:
         cache = ContiguousKVCache(model.config.num_layers, model.scale)
         model.compute_logits(model(ids, torch.arange(len(ids)), cache)[-1:])
 
-    return timed(run, repeats)
+    return best_seconds(run, repeats)
 
 
 @torch.inference_mode()

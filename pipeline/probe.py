@@ -33,7 +33,8 @@ class ProbeResult:
     threads: int
 
 
-def _best_seconds(fn: Callable[[], object], reps: int) -> float:
+def best_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Best-of-`reps` wall time after one warm-up call: the least-disturbed run on a shared machine."""
     fn()  # warm up: page faults, kernel selection
     best = float("inf")
     for _ in range(reps):
@@ -47,7 +48,7 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> float:
     """Triad bandwidth in bytes/s over three float32 arrays of `mib` MiB each (reads b, c; writes a)."""
     n = mib * 2**20 // 4
     a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
-    seconds = _best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+    seconds = best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
     if not torch.all(a[:: n // 7] == 7.0):  # the triad really ran
         raise RuntimeError("bandwidth probe computed a wrong triad")
     return 3 * n * 4 / seconds
@@ -61,7 +62,7 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> flo
     """
     x = torch.randn(n, n).to(dtype)
     w = torch.randn(n, n).to(dtype)
-    seconds = _best_seconds(lambda: F.linear(x, w), reps)
+    seconds = best_seconds(lambda: F.linear(x, w), reps)
     return 2 * n**3 / seconds
 
 

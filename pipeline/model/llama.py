@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
 
 
 # Checkpoint names (Hugging Face convention) of the parts fused into one module, with their part index.
-_FUSED = {
+FUSED_PARTS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -129,8 +129,8 @@ class LlamaModel(nn.Module):
             module_path, _, leaf = name.rpartition(".")
             parent, _, short = module_path.rpartition(".")
             shard_id = 0
-            if short in _FUSED:
-                fused, shard_id = _FUSED[short]
+            if short in FUSED_PARTS:
+                fused, shard_id = FUSED_PARTS[short]
                 module_path = f"{parent}.{fused}"
             module = modules.get(module_path)
             if isinstance(module, ParallelLinear):

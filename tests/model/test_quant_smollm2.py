@@ -7,18 +7,11 @@ import torch
 
 from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.gguf_file import GGUFCheckpoint
+from pipeline.model.llama import FUSED_PARTS
 from pipeline.model.loader import load_model
 from pipeline.model.quant import QuantLinear, linear_weight_bytes
 
 pytestmark = pytest.mark.slow
-
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +27,7 @@ def test_linears_hold_the_files_blocks_bit_exact(gguf_model, smollm2_path):
         if not name.endswith("_proj.weight"):
             continue
         path, short = name.removeprefix("model.").rsplit(".", 2)[:2]
-        fused, part = _FUSED.get(short, (short, 0))
+        fused, part = FUSED_PARTS.get(short, (short, 0))
         lin = modules[f"{path}.{fused}"]
         assert isinstance(lin, QuantLinear) and lin.bits == 4 and lin.mins is not None
         start, n = lin.local_rows(part)
