@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.wq_cpu import CpuPacked, cpu_matmul
+from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_matmul
 from kernels.wq_reference import dequantize
 
 
@@ -26,4 +26,4 @@ def wq_matmul(
 
 def packed_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     """y = x W^T for a weight converted for torch's CPU kernels; other activation dtypes are cast."""
-    return cpu_matmul(x.to(torch.bfloat16), packed).to(x.dtype)
+    return cpu_matmul(x.to(CPU_ACTIVATION_DTYPE), packed).to(x.dtype)

@@ -82,7 +82,6 @@ class Checkpoint:
                            on_lost=stop.request_stop)
         self.mine: list[Unit] = []
         self.todo: list[Unit] = []
-        self.state = "new"
 
     @property
     def shard_label(self) -> str:
@@ -99,7 +98,7 @@ class Checkpoint:
             manifest = make_manifest({**fingerprint, "plan": self.plan.fingerprint()})
             state = prepare_output(self.fs, self.root, manifest, mode, self.num_shards)
             if state == "complete":
-                return self._set("complete")
+                return "complete"
             self.mine = self.plan.shard_units(self.num_shards, self.shard_index)
             done = self.ledger.committed()
             self.todo = [u for u in self.mine if u.id not in done]
@@ -110,11 +109,7 @@ class Checkpoint:
         log.info("%s%d units (%d rows), %d already committed, %d to do (%d rows)", self.shard_label,
                  len(self.mine), sum(u.num_rows for u in self.mine), len(self.mine) - len(self.todo),
                  len(self.todo), self.todo_rows)
-        return self._set("run" if self.todo else "idle")
-
-    def _set(self, state: str) -> str:
-        self.state = state
-        return state
+        return "run" if self.todo else "idle"
 
     @property
     def todo_rows(self) -> int:

@@ -4,6 +4,6 @@
 class JobError(Exception):
     """A job-level problem the user must fix (bad config, unreadable input, missing model).
 
-    `python -m pipeline` prints the message on one line and exits with status 2. Row-level problems never
-    raise: they become error rows in the output.
+    `python -m pipeline` prints the message on one line and exits with status 2 (73 for `LeaseHeld`, an output
+    leased by another live job). Row-level problems never raise: they become error rows in the output.
     """

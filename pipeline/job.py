@@ -24,7 +24,7 @@ from pipeline.config import JobConfig
 from pipeline.engine.request import Request, Result
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
-from pipeline.io.progress import Counters, Progress, make_progress, prefill_efficiency, summary
+from pipeline.io.progress import Counters, make_progress, prefill_efficiency, summary
 from pipeline.io.sink import ParquetSink, result_schema
 from pipeline.io.source import ColumnSpec, ParquetSource
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
@@ -123,12 +123,11 @@ class _Run:
     """The state of one run while rows stream through the engine."""
 
     def __init__(self, cfg: JobConfig, checkpoint: Checkpoint, writer: UnitWriter, builder: PromptBuilder,
-                 id_column: str | None, progress: Progress) -> None:
+                 id_column: str | None) -> None:
         self.cfg = cfg
         self.checkpoint = checkpoint
         self.writer = writer
         self.id_column = id_column
-        self.progress = progress
         self.pending: dict[int, _Pending] = {}
         self.planner = WindowPlanner(builder.prepare, cfg.plan.prefix_sort)  # tokenizes each row once
         self.bound = PrefillLowerBound()
@@ -207,8 +206,6 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     schema = result_schema(id_type or pa.string(), passthrough, cfg.output.token_ids, cfg.sampling.logprobs > 0)
     model_path = _model_path(cfg)
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
-        import torch
-
         from pipeline.engine.tp_runner import serve_as_torchrun_worker
 
         if serve_as_torchrun_worker(model_path, **_model_options(cfg)):
@@ -260,7 +257,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len)
     writer = UnitWriter(checkpoint, sink, cfg.sampling.n)
     progress = make_progress(cfg.progress.mode, checkpoint.todo_rows, cfg.progress.log_every_s, stdout, log.info)
-    state = _Run(cfg, checkpoint, writer, builder, cfg.input.id_column if id_type else None, progress)
+    state = _Run(cfg, checkpoint, writer, builder, cfg.input.id_column if id_type else None)
     stats = engine.stats
     for result in engine.generate(state.requests()):
         state.accept(result)

@@ -350,6 +350,7 @@ class WorkerPool:
         self._store = dist.TCPStore(
             host, 0, size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
+        self._threads_before = torch.get_num_threads()
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
@@ -366,7 +367,6 @@ class WorkerPool:
             self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
             self._monitor.start()
             self._wait_joined(timeout_s)
-            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(self.threads)
             dist.init_process_group(
                 backend_for(self.device), store=self._store, rank=0, world_size=size,
@@ -376,6 +376,7 @@ class WorkerPool:
             failure = self.failure_for(e, wait_s=1.0)
             self._closing = True
             self._terminate_all()
+            torch.set_num_threads(self._threads_before)
             if failure is None or failure is e:
                 raise
             raise failure from e

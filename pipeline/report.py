@@ -140,21 +140,21 @@ def _series(data: dict, key: str) -> list:
     return data["series"].get(key, [])
 
 
-def _figure(title: str) -> tuple[Figure, object]:
+def _figure(title: str, ylabel: str = "", xlabel: str = "time since start (s)") -> tuple[Figure, object]:
     fig = Figure(figsize=(7, 3.6), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     return fig, ax
 
 
 def plot_throughput(data: dict) -> Figure:
-    fig, ax = _figure("Throughput")
+    fig, ax = _figure("Throughput", "tokens / s")
     t = _series(data, "t")
     ax.plot(t, _series(data, "generated_tok_s"), marker=".", label="generated")
     ax.plot(t, _series(data, "prefilled_tok_s"), marker=".", label="prefilled")
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("tokens / s")
     ax.legend()
     return fig
 
@@ -163,7 +163,6 @@ def plot_batch(data: dict) -> Figure:
     fig, ax = _figure("Running batch and KV cache")
     t = _series(data, "t")
     ax.plot(t, _series(data, "running_batch"), marker=".", color="C0", label="running batch")
-    ax.set_xlabel("time since start (s)")
     ax.set_ylabel("sequences in the batch", color="C0")
     ax2 = ax.twinx()
     ax2.plot(t, _series(data, "kv_blocks_used"), marker=".", color="C1", label="KV blocks used")
@@ -177,7 +176,7 @@ def plot_batch(data: dict) -> Figure:
 
 def plot_roofline(data: dict) -> Figure:
     """The classic roofline (log-log): attainable FLOP/s against FLOP per byte, with the run's intervals on it."""
-    fig, ax = _figure("Roofline: achieved vs attainable")
+    fig, ax = _figure("Roofline: achieved vs attainable", "FLOP / s", "arithmetic intensity (FLOP / byte)")
     roof = data.get("roofline")
     flops = _series(data, "flops_per_s")
     moved = _series(data, "bytes_per_s")
@@ -193,17 +192,13 @@ def plot_roofline(data: dict) -> Figure:
         ax.scatter([p[0] for p in points], [p[1] for p in points], color="C3", zorder=3, label="run intervals")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("FLOP / s")
     ax.legend()
     return fig
 
 
 def plot_efficiency(data: dict) -> Figure:
-    fig, ax = _figure("Share of the roofline")
+    fig, ax = _figure("Share of the roofline", "% of roofline (least time / actual)")
     ax.plot(_series(data, "t"), _series(data, "pct_of_roofline"), marker=".", color="C2")
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("% of roofline (least time / actual)")
     ax.set_ylim(bottom=0)
     return fig
 

@@ -161,7 +161,7 @@ class Engine:
         rows, samplers = self._fork_children(samplers)
         t3 = time.perf_counter()
         if len(rows) > logits.shape[0]:  # forked samples share their parent's row
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long))
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
         sampled = sample(logits, samplers)
         t4 = time.perf_counter()
         finished = []

@@ -30,7 +30,7 @@ def filter_probs(
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     vocab = logits.shape[-1]
-    rank = torch.arange(vocab)[None, :]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     sorted_p = sorted_p.masked_fill(rank >= k, 0.0)
     # top-p over the renormalized top-k mass: keep a token if the mass before it is still < top_p.
@@ -46,15 +46,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     sampled_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if sampled_rows:
         params = [seqs[i].sampling for i in sampled_rows]
+        dev = logits.device  # the generators are CPU ones: their draws move to the logits' device
         kept, order = filter_probs(
             logits[sampled_rows],
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params]),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
         )
         cdf = kept.cumsum(-1)
-        u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled_rows])
+        u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled_rows]).to(dev)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=kept.shape[-1] - 1)
         # The draw may land on a zeroed column's right edge only through rounding; step back to a kept one.
         pick = torch.minimum(pick, (kept > 0).sum(-1, keepdim=True) - 1)

@@ -47,7 +47,7 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = -1  # prompt tokens served by the prefix cache at first admission; -1 = not admitted
     block_table: list[int] = field(default_factory=list)
-    # Chained content hashes of the full blocks of token_ids (computed lazily, see kv_cache.block_hashes).
+    # Chained content hashes of the full blocks of token_ids (computed lazily, see kv_cache.extend_block_hashes).
     block_hashes: list[int] = field(default_factory=list)
     # Prefix-cache identity of each block in block_table that holds confirmed content, see kv_cache.
     block_serials: list[int] = field(default_factory=list)

@@ -122,26 +122,26 @@ def open_model(
 ) -> Iterator[LoadedModel]:
     """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
 
-    device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model`. Otherwise the head counts are checked before any process
-    starts; under `torchrun` (its RANK/WORLD_SIZE in the environment) the ranks it started are joined
-    instead of spawning, and ranks > 0 serve steps here and then exit the process (SystemExit 0).
-    Leaving the block normally stops the workers in order; an exception terminates them.
+    device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model`. Otherwise the head
+    counts are checked before any process starts; under `torchrun` (its RANK/WORLD_SIZE in the
+    environment) the ranks it started are joined instead of spawning, and ranks > 0 serve steps here and
+    then exit the process (SystemExit 0). Leaving the block normally stops the workers in order; an
+    exception terminates them.
     """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _resolve_device(device)
     if tensor_parallel == 1:
         yield load_model(path, dtype, SINGLE, device, quant, quant_group_size)
         return
     open_checkpoint(path).config.check_tensor_parallel(tensor_parallel)
     spec = ShardSpec(str(path), dtype, quant, quant_group_size)
     env = TorchrunEnv.from_env()
-    if env is not None:
-        group = _join_torchrun(env, tensor_parallel, device, threads, timeout_s)
-        if env.rank > 0:
-            _serve(group, rank_device(device, env.local_rank), spec)
-            raise SystemExit(0)
-    else:
+    if env is None:
         group = WorkerPool(tensor_parallel, spec, device, threads, timeout_s).group
+    elif env.rank > 0:
+        _serve_torchrun(env, spec, tensor_parallel, device, threads, timeout_s)
+        raise SystemExit(0)
+    else:
+        group = _join_torchrun(env, tensor_parallel, device, threads, timeout_s)
     driver = group.driver
     ok = False
     try:
@@ -172,12 +172,17 @@ def serve_as_torchrun_worker(
     env = TorchrunEnv.from_env()
     if env is None or env.rank == 0 or tensor_parallel == 1:
         return False
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     open_checkpoint(path).config.check_tensor_parallel(tensor_parallel)
-    group = _join_torchrun(env, tensor_parallel, device, threads, timeout_s)
-    _serve(group, rank_device(device, env.local_rank), ShardSpec(str(path), dtype, quant, quant_group_size))
+    spec = ShardSpec(str(path), dtype, quant, quant_group_size)
+    _serve_torchrun(env, spec, tensor_parallel, _resolve_device(device), threads, timeout_s)
     return True
+
+
+def _resolve_device(device: str) -> str:
+    """Device "auto" -> CUDA when available, else CPU; anything else unchanged."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def _join_torchrun(env: TorchrunEnv, tensor_parallel: int, device: str, threads: int | None,
@@ -187,8 +192,11 @@ def _join_torchrun(env: TorchrunEnv, tensor_parallel: int, device: str, threads:
     return join_torchrun(env, device, threads, timeout_s)
 
 
-def _serve(group: TPGroup, device: str, spec: ShardSpec) -> None:
-    """A torchrun worker's life; Ctrl-C is rank 0's to handle (it then stops us)."""
+def _serve_torchrun(env: TorchrunEnv, spec: ShardSpec, tensor_parallel: int, device: str, threads: int | None,
+                    timeout_s: float) -> None:
+    """A torchrun rank > 0's life: join the group, load its shard, serve rank 0's steps until it stops.
+    Ctrl-C is rank 0's to handle (it then stops us)."""
+    group = _join_torchrun(env, tensor_parallel, device, threads, timeout_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_worker(group, device, spec)
+    run_worker(group, rank_device(device, env.local_rank), spec)
     torch.distributed.destroy_process_group()

@@ -1,9 +1,10 @@
 """Write results as a Parquet dataset (zstd part files) under one output directory, through fsspec.
 
-The only way data reaches the output is `ParquetSink.write_part(unit_id, table)`: each call writes one
-whole part file (`ledger.write_whole`: local temp file + fsync + rename; object stores: one PUT of the
-final key) and returns what it wrote. The checkpoint's `UnitWriter` adds the ledger record after that call
-returns (the commit point); resume and shards choose the unit ids (see pipeline/checkpoint.py).
+Result rows reach the output only through `ParquetSink.write_part(unit_id, table)` (`write_rows` wraps
+it): each call writes one whole part file (`ledger.write_whole`: local temp file + fsync + rename; object
+stores: one PUT of the final key) and returns what it wrote. The checkpoint's `UnitWriter` adds the ledger
+record after that call returns (the commit point); resume and shards choose the unit ids (see
+pipeline/checkpoint.py). `finish` writes the run's metrics the same way.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class ParquetSink:
 
     def __init__(self, path: str, schema: pa.Schema, metadata: Mapping[str, str], compression: str = "zstd",
                  storage_options: dict | None = None) -> None:
-        self.url = path
         self.fs, self.root = url_to_fs(path, **(storage_options or {}))
         self.schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
         self.compression = compression

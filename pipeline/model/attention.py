@@ -51,10 +51,6 @@ class ContiguousKVCache:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[0]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start = 0 if self.k[layer] is None else self.k[layer].shape[0]
         self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])

@@ -87,10 +87,6 @@ class GGUFCheckpoint:
         self.config = self._read_config()
         self.name = self.path.stem
 
-    @property
-    def tensor_names(self) -> list[str]:
-        return list(self._tensors)
-
     def _field(self, key: str, default=None):
         return self.file.metadata.get(key, default)
 

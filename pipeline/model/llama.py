@@ -15,7 +15,7 @@ from torch import nn
 
 from pipeline.model.attention import AttentionBackend
 from pipeline.model.config import ModelConfig
-from pipeline.model.layers import LMHead, ParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from pipeline.model.layers import LMHead, ParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from pipeline.parallel import SINGLE, TPGroup
 
 
@@ -26,21 +26,22 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
+        # this rank's q and k/v widths inside the fused qkv output
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = ParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], 0, cfg.attention_bias, tp, dtype
         )
         self.o_proj = ParallelLinear(cfg.q_size, [cfg.hidden_size], 1, False, tp, dtype)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionBackend):
+    def forward(self, x, cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend):
         t = x.shape[0]
-        q_n, kv_n = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_n, kv_n, kv_n], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, cos_sin)
         out = attn.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, q_n))
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -63,8 +64,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, dtype)
 
-    def forward(self, x, positions, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+    def forward(self, x, cos_sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -89,14 +90,19 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings and tp.size == 1:
+            # One tensor for both: the unsharded head is exactly the embedding table (under TP each rank's
+            # head holds only its vocabulary slice, a copy loaded from the table).
+            self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim**-0.5
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, cos_sin, attn)
         return self.norm(x)
 
     @torch.inference_mode()
@@ -116,14 +122,16 @@ class LlamaModel(nn.Module):
         for name, full in tensors:
             name = name.removeprefix("model.")
             if name.startswith("lm_head."):
-                self.lm_head.load(full.to(self.dtype) if isinstance(full, torch.Tensor) else full)
+                if self.lm_head.weight is not self.embed_tokens.weight:  # tied and shared: the table wins
+                    self.lm_head.load(full)
                 seen.add("lm_head.weight")
                 continue
             if name == "embed_tokens.weight":
                 params[name].data.copy_(full)
                 seen.add(name)
                 if self.config.tie_word_embeddings:
-                    self.lm_head.load(full.to(self.dtype))
+                    if self.lm_head.weight is not self.embed_tokens.weight:
+                        self.lm_head.load(full)
                     seen.add("lm_head.weight")
                 continue
             module_path, _, leaf = name.rpartition(".")

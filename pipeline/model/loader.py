@@ -63,7 +63,9 @@ class LoadedModel:
     @property
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step streams from memory: all weights except the embedding table,
-        of which a step reads only the rows of its tokens."""
+        of which a step reads only the rows of its tokens (unless the LM head shares it: tied weights)."""
+        if self.model.lm_head.weight is self.model.embed_tokens.weight:
+            return self.weight_bytes
         return self.weight_bytes - model_weight_bytes(self.model.embed_tokens)
 
 

@@ -19,6 +19,14 @@ def ok_rows(n: int, start: int = 0) -> list[dict]:
     return [{"id": start + i, "prompt": f"Say something about {i}."} for i in range(n)]
 
 
+def run_ok(job_runner, inp, out, model_dir, *extra: str) -> list[dict]:
+    """Run a job over `inp` into `out` with the tiny model; it must succeed. Returns the output rows."""
+    rc, log = job_runner.run([f"input.path={inp}", f"output.path={out}", f"model.path={model_dir}", *extra,
+                              "engine.kv_cache_memory=32MiB", "progress.mode=off"])
+    assert rc == 0, log
+    return read_output(str(out))
+
+
 def setup_case(case: str, tmp_path, model_dir) -> tuple[list[str], int, str]:
     """Arguments for one bad-input case, the expected exit status, and text the error must contain."""
     inp, out = tmp_path / "in", tmp_path / "out"
@@ -122,11 +130,8 @@ def test_bad_rows_become_error_rows_and_every_row_is_written_once(job_runner, ti
     write_prompts(inp / "b.parquet", [], pa.schema([("id", pa.int64()), ("prompt", pa.string()),
                                                      ("max_tokens", pa.int64())]))  # an empty file
     out = tmp_path / "out"
-    rc, log = job_runner.run([f"input.path={inp}", f"output.path={out}", f"model.path={tiny_model_dir}",
-                              "engine.max_model_len=256", "sampling.max_tokens=4", "output.rows_per_part=3",
-                              "engine.kv_cache_memory=32MiB", "progress.mode=off"])
-    assert rc == 0, log
-    result = read_output(str(out))
+    result = run_ok(job_runner, inp, out, tiny_model_dir,
+                    "engine.max_model_len=256", "sampling.max_tokens=4", "output.rows_per_part=3")
     assert Counter(r["id"] for r in result) == Counter(r["id"] for r in rows)  # once each, dups kept
     errors = {r["id"]: r["error"] for r in result if r["finish_reason"] == "error"}
     assert "prompt is null" in errors[2]
@@ -147,11 +152,8 @@ def test_malformed_messages_become_error_rows(job_runner, tiny_model_dir, tmp_pa
     write_prompts(inp, [{"id": i, "messages": m} for i, m in cells.items()],
                   pa.schema([("id", pa.int64()), ("messages", pa.string())]))
     out = tmp_path / "out"
-    rc, log = job_runner.run([f"input.path={inp}", f"output.path={out}", f"model.path={tiny_model_dir}",
-                              "input.messages_column=messages", "sampling.max_tokens=3", "output.rows_per_part=2",
-                              "engine.kv_cache_memory=32MiB", "progress.mode=off"])
-    assert rc == 0, log
-    result = read_output(str(out))
+    result = run_ok(job_runner, inp, out, tiny_model_dir,
+                    "input.messages_column=messages", "sampling.max_tokens=3", "output.rows_per_part=2")
     assert [r["id"] for r in result] == sorted(cells)
     errors = {r["id"]: r["error"] for r in result}
     assert errors[1] is None and errors[7] is None

@@ -123,3 +123,15 @@ def test_logprobs_are_model_log_softmax_top_k_plus_chosen():
         assert set(top) | {out.token_ids[row]} == set(entry)
         for token, value in entry.items():
             assert value == pytest.approx(float(ref[token]), abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logits_sample_like_cpu():
+    """The engine's logits live on its device; the per-row parameters and draws must follow them there."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.02, logprobs=2), SamplingParams()]
+    seqs = [_seq(params[i % 2], i) for i in range(4)]
+    cpu = sample(logits, seqs)
+    seqs = [_seq(params[i % 2], i) for i in range(4)]
+    cuda = sample(logits.cuda(), seqs)
+    assert cuda.token_ids == cpu.token_ids

@@ -95,6 +95,9 @@ def test_config_variants_match_transformers(tmp_path, variant):
     torch.testing.assert_close(ours_logits(loaded, ids), reference_logits(directory, ids), atol=1e-4, rtol=0)
     cfg = loaded.config
     assert cfg.tie_word_embeddings == (variant == "tied") and cfg.attention_bias == (variant == "qwen2")
+    if variant == "tied":  # the head is the embedding table itself: stored once, read every step
+        assert loaded.model.lm_head.weight is loaded.model.embed_tokens.weight
+        assert loaded.weight_bytes == cfg.num_parameters() * 4 == loaded.bytes_read_per_token
 
 
 def test_bfloat16_load_and_weight_bytes(tiny_model_dir):
