@@ -196,8 +196,10 @@ class Ledger:
                 report.errors.append(f"unit {unit}: part {rec.part} has {size} bytes, ledger says {rec.bytes}")
                 continue
             try:
+                # One thread, no dataset layer: fewer Arrow pool tasks left holding this Python file (see
+                # pipeline.verify's exit).
                 with self.fs.open(path, "rb") as f:
-                    ids = pq.read_table(f, columns=[id_column]).column(id_column).to_pylist()
+                    ids = pq.ParquetFile(f).read(columns=[id_column], use_threads=False).column(id_column).to_pylist()
             except (pa.ArrowException, OSError) as e:
                 report.errors.append(f"unit {unit}: part {rec.part} is unreadable: {e}")
                 continue
