@@ -4,6 +4,7 @@
     python bench/quant.py --formats none:float32 gguf:bfloat16 --tokens 1024
     python bench/quant.py --json out.json
     python bench/quant.py --kernels            # per-M timing of the CPU matmul choices at SmolLM2's shapes
+    python bench/quant.py --sensitivity        # agreement under known weight perturbations (calibration)
 
 A format is `quant[/group]:dtype`, e.g. `int4/64:float32`. float32 formats compute with dequantized weights
 (the exact path); bfloat16 formats use torch's CPU weight-only kernels where one exists.
@@ -112,6 +113,15 @@ def greedy(model, prompts: torch.Tensor, steps: int) -> tuple[torch.Tensor, floa
     return torch.stack(out, 1), time.perf_counter() - t0
 
 
+def agreement(model, prompts: torch.Tensor, ref: torch.Tensor, gen: torch.Tensor) -> tuple[float, float]:
+    """(free-running, teacher-forced) shares of positions where the model's greedy token equals `ref`'s;
+    `gen` is the model's own greedy continuation of `prompts`."""
+    cache = UniformBatchCache(model.config.num_layers, prompts.shape[0], model.scale)
+    logits = forward_batch(model, torch.cat([prompts, ref[:, :-1]], 1), cache, 0)
+    forced = (logits[:, prompts.shape[1] - 1 :].argmax(-1) == ref).float().mean().item()
+    return (gen == ref).float().mean().item(), forced
+
+
 def perplexity(model, ids: list[int], chunk: int = 512) -> float:
     nll, count = 0.0, 0
     for s in range(0, len(ids) - 1, chunk):
@@ -150,10 +160,7 @@ def run_format(fmt: str, data: dict) -> dict:
     gen, _ = greedy(model, prompts, NEW_TOKENS)
     row["continuation"] = gen.tolist()
     if ref is not None:
-        row["agree_free"] = (gen == ref).float().mean().item()
-        cache = UniformBatchCache(model.config.num_layers, prompts.shape[0], model.scale)
-        logits = forward_batch(model, torch.cat([prompts, ref[:, :-1]], 1), cache, 0)
-        row["agree_forced"] = (logits[:, PROMPT_TOKENS - 1 :].argmax(-1) == ref).float().mean().item()
+        row["agree_free"], row["agree_forced"] = agreement(model, prompts, ref, gen)
     first = torch.tensor(data["text_ids"][:LOGIT_TOKENS])
     logits = forward_batch(model, first[None], UniformBatchCache(model.config.num_layers, 1, model.scale), 0)[0]
     ref_file = Path(data["ref_logits"])
@@ -218,6 +225,40 @@ def kernel_table() -> None:
         print(f"{m:<5} " + "  ".join(f"{c:19.3f}" for c in cells), flush=True)
 
 
+def weight_sensitivity(prompts: torch.Tensor) -> None:
+    """Agreement of the float32 model with itself after known perturbations of its linear weights.
+
+    Why: it calibrates the agreement columns. Every variant computes in float32, so only the weights differ:
+    int8 grids per output channel and per 32 inputs (round-to-nearest, as `quant=int8` and GGUF Q8_0 store
+    them), bf16 rounding, and Gaussian noise of a given size relative to each weight tensor's std.
+    """
+    from kernels.wq_reference import dequantize, quantize_int8
+    from pipeline.model.layers import ParallelLinear
+
+    model = load_model(dtype=torch.float32, quant="none").model
+    linears = [m for m in model.modules() if isinstance(m, ParallelLinear)]
+    originals = [m.weight.detach().clone() for m in linears]
+    noise = torch.Generator().manual_seed(0)
+    variants = {
+        "int8 per output channel": lambda w: dequantize(*quantize_int8(w), None, 8),
+        "int8 per 32 inputs": lambda w: dequantize(*quantize_int8(w, 32), None, 8),
+        "bf16 rounding": lambda w: w.bfloat16().float(),
+        **{f"gaussian noise {rel:.1%} of std": lambda w, rel=rel: w + torch.randn(w.shape, generator=noise) * w.std() * rel
+           for rel in (0.001, 0.002, 0.003, 0.005)},
+    }
+    with torch.inference_mode():
+        ref, _ = greedy(model, prompts, NEW_TOKENS)
+        print(f"# {len(prompts)} prompts x {NEW_TOKENS} greedy tokens vs none:float32, float32 compute throughout")
+        print(f"{'linear weights':<28} {'rel. weight error':>17} {'agree free':>10} {'forced':>7}")
+        for name, perturb in variants.items():
+            for m, w in zip(linears, originals):
+                m.weight.copy_(perturb(w))
+            err = sum((m.weight - w).square().sum() for m, w in zip(linears, originals))
+            rel_err = (err / sum(w.square().sum() for w in originals)).sqrt().item()
+            free, forced = agreement(model, prompts, ref, greedy(model, prompts, NEW_TOKENS)[0])
+            print(f"{name:<28} {rel_err:17.4%} {free:10.3f} {forced:7.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS)
@@ -226,6 +267,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--kernels", action="store_true", help="only the per-M CPU kernel table")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="only the agreement of float32 with itself under known weight perturbations")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one format, data file in --data
     ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -244,6 +287,9 @@ def main() -> None:
     prompt_docs = [ids for ids in (tok.encode(d) for d in docstrings(PROMPT_MODULES)) if len(ids) >= PROMPT_TOKENS]
     step = max(1, len(prompt_docs) // NUM_PROMPTS)
     prompts = [ids[:PROMPT_TOKENS] for ids in prompt_docs[::step][:NUM_PROMPTS]]
+    if args.sensitivity:
+        weight_sensitivity(torch.tensor(prompts))
+        return
     data = {"text_ids": text_ids, "prompts": prompts, "decode_steps": args.decode_steps, "threads": args.threads}
     print(f"# held-out tokens {len(text_ids)}, prompts {len(prompts)} x {PROMPT_TOKENS}, threads {args.threads}, "
           f"load average {os.getloadavg()[0]:.2f}, torch {torch.__version__}", flush=True)
