@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.engine import runner
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -153,7 +154,21 @@ def test_invalid_requests_become_error_results(tiny):
     assert engine.stats.errors == 4
 
 
-def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(tiny):
+@pytest.mark.parametrize("group_pass", [False, True])
+def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(tiny, monkeypatch, group_pass):
+    """group_pass: decodes of a prefix group read their shared blocks once (runner.shared_prefixes); the
+    floor is lowered so that these small groups use it."""
+    groups_found = []
+    if group_pass:
+        monkeypatch.setattr(runner, "MIN_SAVED_BLOCKS", 1)
+        find = runner.shared_prefixes
+
+        def recording(*args):
+            found = find(*args)
+            groups_found.extend(found)
+            return found
+
+        monkeypatch.setattr(runner, "shared_prefixes", recording)
     prefixes = random_prompts(4, 64, 64, seed=18)
     questions = random_prompts(32, 3, 9, seed=19)
     prompts = [prefixes[i % 4] + q for i, q in enumerate(questions)]
@@ -169,6 +184,7 @@ def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(tiny):
     assert engine_on.stats.prefill_tokens <= 1.05 * lower_bound
     assert engine_on.stats.cached_tokens == sum(on[i, 0].cached_tokens for i in range(32)) > 0
     assert engine_on.stats.held > 0
+    assert bool(groups_found) == group_pass
 
 
 def test_generate_reads_requests_lazily(tiny):

@@ -1,0 +1,116 @@
+"""Paged decode attention against per-sequence attention over contiguous keys, with and without rows that
+share their leading blocks (the prefix cache's hits, read once per group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.engine import runner
+from pipeline.engine.runner import PagedAttention, StepBatch, shared_prefixes
+from pipeline.model.attention import causal_attention
+
+BLOCK, HKV, HQ, DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
+SCALE = DIM**-0.5
+
+
+@pytest.fixture
+def any_saving(monkeypatch):
+    """Groups here are small: let any saving justify a group pass."""
+    monkeypatch.setattr(runner, "MIN_SAVED_BLOCKS", 1)
+
+
+def decode_batch(tables: list[list[int]], lens: list[int], prefill: tuple[list[int], int] | None = None) -> StepBatch:
+    """One decode row per (table, context length); optionally a prefill chunk (table, length) at the end
+    whose last 3 tokens are computed this step."""
+    rows = [(t, n, 1) for t, n in zip(tables, lens)] + ([(*prefill, 3)] if prefill else [])
+    slots, positions, starts = [], [], [0]
+    for table, n, new in rows:
+        for p in range(n - new, n):
+            positions.append(p)
+            slots.append(table[p // BLOCK] * BLOCK + p % BLOCK)
+        starts.append(starts[-1] + new)
+    width = max(len(t) for t, _, _ in rows)
+    block_tables = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (table, _, _) in enumerate(rows):
+        block_tables[i, : len(table)] = torch.tensor(table)
+    return StepBatch(
+        input_ids=torch.zeros(len(slots), dtype=torch.long), positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots), query_start=torch.tensor(starts),
+        context_lens=torch.tensor([n for _, n, _ in rows]), block_tables=block_tables,
+        num_decodes=len(tables), logits_rows=torch.zeros(0, dtype=torch.long))
+
+
+def reference(attn: PagedAttention, batch: StepBatch, q: torch.Tensor) -> torch.Tensor:
+    """Each sequence alone: its keys copied out of the pool in position order, plain causal attention."""
+    out = torch.empty_like(q)
+    starts = batch.query_start.tolist()
+    for b, length in enumerate(batch.context_lens.tolist()):
+        positions = torch.arange(length)
+        slots = batch.block_tables[b, positions // BLOCK] * BLOCK + positions % BLOCK
+        k = attn.k[0].view(HKV, -1, DIM)[:, slots].transpose(0, 1)
+        v = attn.v[0].view(HKV, -1, DIM)[:, slots].transpose(0, 1)
+        lo, hi = starts[b], starts[b + 1]
+        out[lo:hi] = causal_attention(q[lo:hi], k, v, length - (hi - lo), SCALE)
+    return out
+
+
+def attend(tables, lens, prefill=None, dtype=torch.float32):
+    torch.manual_seed(0)
+    attn = PagedAttention(1, NUM_BLOCKS, BLOCK, HKV, DIM, dtype, torch.device("cpu"), SCALE)
+    attn.k[0].normal_()
+    attn.v[0].normal_()
+    batch = decode_batch(tables, lens, prefill)
+    q = torch.randn(batch.num_tokens, HQ, DIM, dtype=dtype)
+    k, v = (torch.randn(batch.num_tokens, HKV, DIM, dtype=dtype) for _ in range(2))
+    attn.prepare(batch)
+    out = attn.attend(0, q, k, v)
+    return attn, out, reference(attn, batch, q)
+
+
+# Rows 0-2 share blocks 1, 2, 3 and row 6 only 1, 2 (its third block is its own): one group sharing 2
+# blocks. Rows 3-4 share 2 blocks; row 5 is alone.
+TABLES = [[1, 2, 3, 20], [1, 2, 3, 21, 22], [1, 2, 3, 23], [10, 11, 30], [10, 11, 31, 32], [40, 41], [1, 2, 4]]
+LENS = [14, 19, 13, 10, 16, 7, 12]
+
+
+@pytest.mark.parametrize("prefill", [None, ([50, 51, 52], 11)])
+def test_shared_prefix_decode_matches_per_sequence_attention(any_saving, prefill):
+    attn, out, ref = attend(TABLES, LENS, prefill)
+    groups = {tuple(rows): n for rows, n in shared_prefixes(TABLES, LENS, BLOCK)}
+    assert groups == {(0, 1, 2, 6): 2, (3, 4): 2}
+    assert len(attn._shared) == 2
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_without_shared_blocks_the_plain_path_is_used(any_saving):
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    attn, out, ref = attend(tables, [11, 6, 15])
+    assert attn._shared == []
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_decode_in_bfloat16(any_saving):
+    _, out, ref = attend(TABLES, LENS, dtype=torch.bfloat16)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_shared_blocks_stop_before_each_rows_newest_key(any_saving):
+    # Equal tables, but the blocks holding a row's newest key stay in that row's own pass.
+    assert shared_prefixes([[1, 2, 3], [1, 2, 3]], [12, 9], BLOCK) == [([0, 1], 2)]
+    assert shared_prefixes([[1], [1]], [3, 4], BLOCK) == []
+
+
+def test_a_group_pass_needs_to_save_enough_block_reads():
+    # 5 rows sharing 16 blocks save 4 x 16 = 64 reads: at the floor. 4 rows save 48: plain path.
+    table = list(range(1, 17))
+    five = [table + [100 + i] for i in range(5)]
+    assert runner.MIN_SAVED_BLOCKS == 64
+    assert shared_prefixes(five, [16 * BLOCK + 1] * 5, BLOCK) == [([0, 1, 2, 3, 4], 16)]
+    assert shared_prefixes(five[:4], [16 * BLOCK + 1] * 4, BLOCK) == []
+
+
+def test_every_decode_in_a_group(any_saving):
+    attn, out, ref = attend(TABLES[:5], LENS[:5])
+    assert [(lo, hi) for lo, hi, _ in attn._shared] == [(0, 3), (3, 5)]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
