@@ -124,7 +124,6 @@ class PagedAttention:
             lens, tables = batch.context_lens[:d], batch.block_tables[:d]
             groups = shared_prefixes(tables.tolist(), lens.tolist(), self.block_size)
             self._decode_order, self._shared = None, []
-            keys = torch.arange(self.block_size * tables.shape[1], device=lens.device)  # key positions per row
             if groups:  # decode rows regrouped so that each group is a contiguous slice
                 grouped = [row for rows, _ in groups for row in rows]
                 rest = sorted(set(range(d)) - set(grouped))
@@ -143,7 +142,7 @@ class PagedAttention:
             width = -(-int(lens.max()) // self.block_size)
             self._decode_rows = self._pool_rows(tables[:, :width].reshape(-1))
             hkv = self.k[0].shape[0]
-            keys = keys[: width * self.block_size]
+            keys = torch.arange(width * self.block_size, device=lens.device)  # key positions of a row's own pass
             mask = torch.zeros(d, 1, keys.numel(), dtype=self.k[0].dtype, device=lens.device)
             mask.masked_fill_((keys[None, :] >= lens[:, None])[:, None, :], float("-inf"))
             self._decode_mask = mask.repeat(hkv, 1, 1)  # additive, [Hkv * d, 1, L]
