@@ -19,7 +19,7 @@ import torch
 from pipeline.generate import SequenceCaches
 from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.loader import LoadedModel, load_model
-from pipeline.probe import best_seconds
+from pipeline.perf.probe import best_seconds
 
 
 @torch.inference_mode()

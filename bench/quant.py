@@ -280,7 +280,7 @@ def main() -> None:
         return
 
     from pipeline.model.loader import default_model_path
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path())
     text_ids = tok.encode("\n\n".join(docstrings(TEXT_MODULES)))[: args.tokens]

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from pipeline.plan.prefix import prefix_order, unique_prefix_tokens
-from pipeline.units import InputFile, WorkPlan
+from pipeline.plan.units import InputFile, WorkPlan
 
 
 def _window_orders(plan: WorkPlan, tokens: Sequence[Sequence[int]]) -> dict[int, list[int]]:
@@ -88,7 +88,7 @@ def sample_tokens(pattern: str) -> tuple[list[InputFile], list[list[int]]]:
     import pyarrow.parquet as pq
 
     from pipeline.model.loader import default_model_path
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(default_model_path())
     files, texts = [], []

@@ -24,8 +24,8 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import default_model_path, load_model
-from pipeline.probe import measure_bandwidth, measure_matmul_peak
-from pipeline.roofline import forward_bytes, forward_flops
+from pipeline.perf.probe import measure_bandwidth, measure_matmul_peak
+from pipeline.perf.roofline import forward_bytes, forward_flops
 
 _TOPICS = ["rivers", "volcanoes", "bread", "chess", "satellites", "bees", "glass", "tea", "bridges", "owls",
            "clocks", "maps", "salt", "kites"]

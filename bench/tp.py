@@ -26,8 +26,9 @@ import torch.distributed as dist  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
 from pipeline.engine.engine import Engine  # noqa: E402
 from pipeline.engine.request import Request, SamplingParams  # noqa: E402
-from pipeline.engine.tp_runner import open_model  # noqa: E402
-from pipeline.parallel import TPGroup, WorkerPool  # noqa: E402
+from pipeline.parallel.group import TPGroup  # noqa: E402
+from pipeline.parallel.pool import WorkerPool  # noqa: E402
+from pipeline.parallel.runner import open_model  # noqa: E402
 
 
 class CollectiveClock:
@@ -95,14 +96,15 @@ def peak_rss(pid: int) -> int:
 def run_engine(path, size: int, prompts: list[list[int]], max_tokens: int) -> dict:
     config = EngineConfig(kv_cache_memory="256MiB", max_batched_tokens=1024, tensor_parallel=size)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    with open_model(path, tensor_parallel=size) as loaded, CollectiveClock() as clock:
-        engine = Engine(loaded, config)
+    with open_model(path, tensor_parallel=size) as sharded, CollectiveClock() as clock:
+        loaded = sharded.loaded
+        engine = Engine(loaded, config, sharded.make_runner)
         list(engine.generate([Request(0, prompts[0][:4], SamplingParams(max_tokens=2))]))  # warm-up
         before = (engine.stats.steps, dict(clock.seconds), dict(clock.calls))
         t = time.perf_counter()
         n = sum(len(r.token_ids) for r in engine.generate(Request(i, p, sampling) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - t
-        rss = [peak_rss(pid) for pid in getattr(loaded.model.tp.driver, "pids", [])]  # fresh processes
+        rss = [peak_rss(pid) for pid in getattr(sharded.driver, "pids", [])]  # fresh processes
         weight_mib = loaded.weight_bytes / 2**20
         steps = engine.stats.steps - before[0]
         coll_s = sum(clock.seconds.values()) - sum(before[1].values())

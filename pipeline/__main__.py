@@ -9,21 +9,15 @@ after committing what it finished ("run the same command again to resume"; see p
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from pipeline.config import job_file_overrides, load_job_config, register_schema
+from pipeline.config import CONF_DIR, hydra_argv, load_job_config
 from pipeline.errors import JobError
-from pipeline.io.lease import LeaseHeld
-from pipeline.signals import EXIT_INTERRUPTED, EXIT_LOCKED, Interrupted
+from pipeline.output.lease import LeaseHeld
+from pipeline.output.signals import EXIT_INTERRUPTED, EXIT_LOCKED, Interrupted
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-JOB_FILE_GROUP = "job_file"
-# Config groups a job file may select by name (`model: smollm2-135m`) instead of giving their keys.
-_GROUPS = ("model", "hardware")
 EXIT_JOB_ERROR = 2
 
 
@@ -32,7 +26,7 @@ def _fail(error: JobError) -> None:
     sys.exit(EXIT_LOCKED if isinstance(error, LeaseHeld) else EXIT_JOB_ERROR)
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _run(cfg: DictConfig) -> None:
     try:
         job_cfg = load_job_config(cfg)
@@ -44,22 +38,6 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except JobError as e:
         _fail(e)
-
-
-def hydra_argv(argv: list[str]) -> list[str]:
-    """Hydra's arguments for `argv`: a `conf=job.yaml` there is stored as a config group option that
-    merges over the defaults (and under the command-line overrides). Raises JobError for a bad file."""
-    register_schema()
-    job_file, argv = job_file_overrides(argv)
-    overrides = []
-    if job_file is not None:
-        for group in _GROUPS:
-            chosen = job_file.pop(group) if isinstance(job_file.get(group), str) else None
-            if chosen and not any(a.startswith(f"{group}=") for a in argv):
-                overrides.append(f"{group}={chosen}")
-        ConfigStore.instance().store(group=JOB_FILE_GROUP, name="file", node=job_file, package="_global_")
-        overrides.append(f"+{JOB_FILE_GROUP}=file")
-    return [*argv, *overrides]  # after Hydra's --flags, which precede the overrides
 
 
 def main() -> None:

@@ -12,16 +12,15 @@ defaults and rules.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import os
 import typing
 from dataclasses import MISSING, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import __version__
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
@@ -161,13 +160,40 @@ class JobConfig:
     plan: PlanConfig
     resolved: dict  # the whole resolved config as plain data (recorded in metrics.json)
 
-    def fingerprint(self) -> str:
-        """sha256 of everything that can change the outputs (all but `output.*`, `progress.*`, `runtime.*`,
-        `hardware`)."""
-        ignored = ("output", "progress", "runtime", "hardware", "hydra")
-        relevant = {k: v for k, v in self.resolved.items() if k not in ignored}
-        blob = json.dumps({"version": __version__, **relevant}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()
+    def fingerprint(self, model_path: str) -> dict[str, Any]:
+        """What determines the output rows: model identity, sampling, prompt/template settings, output schema.
+
+        The input *listing* and plan numbers are added by `RunState`; the input glob itself is not part
+        of it (the same files under another spelling are the same job). `output.*` (but token_ids),
+        `progress.*`, `runtime.*`, `hardware` and speed-only engine keys are left out.
+        """
+        resolved = self.resolved
+        inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
+        engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
+        return {
+            "model": {**resolved["model"], **model_identity(model_path)},
+            "sampling": resolved["sampling"],
+            "input": inp,
+            "engine": engine,
+            "output": {"token_ids": resolved["output"]["token_ids"]},
+            # which rows share a unit (plan.window_rows is in the plan numbers)
+            "order": {"prefix_sort": resolved.get("plan", {}).get("prefix_sort")},
+        }
+
+
+# Engine settings that change speed or memory but not what a (float32, greedy or seeded) row produces; any
+# other engine key (including ones added later) is part of the fingerprint, to err on the side of refusing.
+_SPEED_ONLY_ENGINE_KEYS = ("block_size", "kv_cache_memory", "max_batched_tokens", "max_batch_size",
+                           "prefix_caching", "device", "tensor_parallel", "max_waiting")
+
+
+def model_identity(path: str) -> dict[str, Any]:
+    """Path and byte sizes of a model file or directory: cheap, and changes when the weights are replaced."""
+    if os.path.isdir(path):
+        sizes = {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))
+                 if os.path.isfile(os.path.join(path, n))}
+        return {"path": path, "files": sizes}
+    return {"path": path, "bytes": os.path.getsize(path) if os.path.exists(path) else None}
 
 
 def _frozen(cls: type, node: Any, section: str) -> Any:
@@ -248,6 +274,28 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         plan=schema.plan,
         resolved=plain,
     )
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+JOB_FILE_GROUP = "job_file"
+# Config groups a job file may select by name (`model: smollm2-135m`) instead of giving their keys.
+CONFIG_GROUPS = ("model", "hardware")
+
+
+def hydra_argv(argv: list[str]) -> list[str]:
+    """Hydra's arguments for `argv`: a `conf=job.yaml` there is stored as a config group option that
+    merges over the defaults (and under the command-line overrides). Raises JobError for a bad file."""
+    register_schema()
+    job_file, argv = job_file_overrides(argv)
+    overrides = []
+    if job_file is not None:
+        for group in CONFIG_GROUPS:
+            chosen = job_file.pop(group) if isinstance(job_file.get(group), str) else None
+            if chosen and not any(a.startswith(f"{group}=") for a in argv):
+                overrides.append(f"{group}={chosen}")
+        ConfigStore.instance().store(group=JOB_FILE_GROUP, name="file", node=job_file, package="_global_")
+        overrides.append(f"+{JOB_FILE_GROUP}=file")
+    return [*argv, *overrides]  # after Hydra's --flags, which precede the overrides
 
 
 def job_file_overrides(argv: list[str]) -> tuple[dict | None, list[str]]:

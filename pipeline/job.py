@@ -19,72 +19,23 @@ from typing import Any, TextIO
 import pyarrow as pa
 
 from pipeline import __version__
-from pipeline.checkpoint import Checkpoint, UnitWriter, job_fingerprint
 from pipeline.config import JobConfig
 from pipeline.engine.request import Request, Result
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
-from pipeline.io.progress import Counters, make_progress, prefill_efficiency, summary
-from pipeline.io.sink import ParquetSink, result_schema
-from pipeline.io.source import ColumnSpec, ParquetSource
+from pipeline.output.commit import UnitWriter
+from pipeline.output.run_state import RunState
+from pipeline.output.signals import GracefulStop, Interrupted
+from pipeline.output.sink import ParquetSink, result_schema
+from pipeline.perf.progress import Counters, make_progress, prefill_efficiency, summary
+from pipeline.plan.rows import rows_to_do
+from pipeline.plan.units import InputFile, Unit, WorkPlan
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
-from pipeline.prompts import PromptBuilder
-from pipeline.signals import GracefulStop, Interrupted
-from pipeline.units import Unit
+from pipeline.source.columns import column_specs, id_type
+from pipeline.source.files import ParquetSource
+from pipeline.source.prompts import PromptBuilder
 
 log = logging.getLogger("pipeline")
-
-
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
-
-
-def _is_messages(t: pa.DataType) -> bool:
-    """list<struct<role: string, content: string>>, or JSON text of that list."""
-    if _is_text(t):
-        return True
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
-        return False
-    fields = {f.name: f.type for f in t.value_type}
-    return all(_is_text(fields.get(k, pa.null())) for k in ("role", "content"))
-
-
-def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t)
-
-
-_SAMPLING_TYPES = {
-    "max_tokens": (_is_number, "an integer"),
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "seed": (_is_number, "an integer"),
-}
-
-
-def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
-    """The columns this job reads, each with the config key that chose it and the types it accepts."""
-    inp = cfg.input
-    if inp.messages_column:
-        prompt = ColumnSpec(inp.messages_column, "input.messages_column", _is_messages,
-                            "list<struct<role: string, content: string>> or JSON text")
-    else:
-        prompt = ColumnSpec(inp.prompt_column, "input.prompt_column", _is_text, "string")
-    specs = [prompt, ColumnSpec(inp.id_column, "input.id_column", lambda t: True, "any", required=False)]
-    specs += [ColumnSpec(c, "input.passthrough_columns", lambda t: True, "any") for c in inp.passthrough_columns]
-    specs += [
-        ColumnSpec(c, "input.sampling_columns", _SAMPLING_TYPES[c][0], _SAMPLING_TYPES[c][1], required=False)
-        for c in inp.sampling_columns
-    ]
-    return specs
-
-
-def _id_type(source: ParquetSource, column: str, types: dict[str, pa.DataType]) -> pa.DataType | None:
-    """The id column's type, or None when ids are `<file>:<row>`; every file must agree on which."""
-    having = [s.name for s in source.shards if column in s.schema.names]
-    if having and len(having) < len(source.shards):
-        lacking = next(s.name for s in source.shards if column not in s.schema.names)
-        raise JobError(f"{lacking}: no id column {column!r} (input.id_column) although {having[0]} has one")
-    return types[column] if having else None
 
 
 def _model_path(cfg: JobConfig) -> str:
@@ -122,10 +73,11 @@ class _Pending:
 class _Run:
     """The state of one run while rows stream through the engine."""
 
-    def __init__(self, cfg: JobConfig, checkpoint: Checkpoint, writer: UnitWriter, builder: PromptBuilder,
-                 id_column: str | None) -> None:
+    def __init__(self, cfg: JobConfig, source: ParquetSource, state: RunState, writer: UnitWriter,
+                 builder: PromptBuilder, id_column: str | None) -> None:
         self.cfg = cfg
-        self.checkpoint = checkpoint
+        self.source = source
+        self.state = state
         self.writer = writer
         self.id_column = id_column
         self.pending: dict[int, _Pending] = {}
@@ -137,17 +89,19 @@ class _Run:
     def requests(self) -> Iterator[Request]:
         """Read the rows still to do lazily (the engine pulls only what it can admit); reject bad rows at once.
 
-        Admission ends early when a stop signal arrives (`Checkpoint.rows` stops yielding)."""
+        Admission ends early when a stop signal arrives (`rows_to_do` stops yielding)."""
         inp = self.cfg.input
         columns = [c for c in dict.fromkeys([
             inp.messages_column or inp.prompt_column, self.id_column or "", *inp.passthrough_columns,
             *inp.sampling_columns,
         ]) if c]
         seq = 0
-        for unit, position, shard, row_index, planned in self.checkpoint.rows(columns, inp.batch_rows,
-                                                                               self.planner):
+        state = self.state
+        for unit, position, file, row_index, planned in rows_to_do(
+                self.source, state.plan, state.todo, columns, inp.batch_rows, self.planner,
+                lambda: state.stop.stopping):
             row, prepared = planned.row, planned.prepared
-            row_id = row.get(self.id_column) if self.id_column else f"{shard.name}:{row_index}"
+            row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
             error = "id is null" if row_id is None else prepared.error
             if error:
@@ -200,30 +154,31 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     t_start = time.perf_counter()
     source = ParquetSource(cfg.input.path)
     types = source.check_columns(column_specs(cfg))
-    id_type = _id_type(source, cfg.input.id_column, types)
-    log.info("input: %d rows in %d files", source.total_rows, len(source.shards))
+    ids = id_type(source, cfg.input.id_column, types)
+    log.info("input: %d rows in %d files", source.total_rows, len(source.files))
     passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
-    schema = result_schema(id_type or pa.string(), passthrough, cfg.output.token_ids, cfg.sampling.logprobs > 0)
+    schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids, cfg.sampling.logprobs > 0)
     model_path = _model_path(cfg)
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
-        from pipeline.engine.tp_runner import serve_as_torchrun_worker
+        from pipeline.parallel.runner import serve_as_torchrun_worker
 
         if serve_as_torchrun_worker(model_path, **_model_options(cfg)):
             return {"rows": 0, "status": "tensor-parallel worker"}
-    fingerprint = cfg.fingerprint()
+    stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
+    plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files),
+                    window_rows=cfg.plan.window_rows, rows_per_part=cfg.output.rows_per_part)
+    run_state = RunState(cfg.output.path, plan, cfg.fingerprint(model_path), num_shards=cfg.runtime.num_shards,
+                         shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
+                         stop=stop)
+    fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": cfg.model.name, "pipeline.model_path": model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
     sink = ParquetSink(cfg.output.path, schema, metadata, cfg.output.compression)
-    stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
-    checkpoint = Checkpoint(cfg.output.path, source, rows_per_part=cfg.output.rows_per_part,
-                            window_rows=cfg.plan.window_rows, num_shards=cfg.runtime.num_shards,
-                            shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
-                            stop=stop)
-    status = checkpoint.start(job_fingerprint(cfg.resolved, model_path), cfg.output.mode)
-    resources.callback(checkpoint.close)  # releases the lease, also on errors and interruptions
+    status = run_state.start(cfg.output.mode)
+    resources.callback(run_state.close)  # releases the lease, also on errors and interruptions
     if status != "run":  # nothing left to do: no model load
-        done = status == "complete" or checkpoint.finish()
-        print(f"{checkpoint.shard_label}nothing to do: "
+        done = status == "complete" or run_state.finish()
+        print(f"{run_state.shard_label}nothing to do: "
               f"{'the output is complete' if done else 'this shard is done; other shards are not'}",
               file=stdout, flush=True)
         return {"rows": 0, "status": status, "complete": done}
@@ -231,22 +186,23 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     import torch
 
     from pipeline.engine.engine import Engine
-    from pipeline.engine.tp_runner import open_model
+    from pipeline.parallel.runner import open_model
 
     try:
-        loaded = resources.enter_context(open_model(model_path, **_model_options(cfg)))
+        sharded = resources.enter_context(open_model(model_path, **_model_options(cfg)))
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"cannot load model {model_path}: {e}") from None
+    loaded = sharded.loaded
     try:
-        engine = Engine(loaded, cfg.engine)
+        engine = Engine(loaded, cfg.engine, sharded.make_runner)
     except ValueError as e:
         raise JobError(str(e)) from None
-    from pipeline.report import RunRecorder, Snapshot, write_report
+    from pipeline.perf.report import RunRecorder, Snapshot, write_report
 
     roof = None
     if cfg.output.report:
-        from pipeline.probe import hardware_profile
-        from pipeline.roofline import Roofline
+        from pipeline.perf.probe import hardware_profile
+        from pipeline.perf.roofline import Roofline
 
         roof = Roofline.of(loaded.config, hardware_profile(cfg.resolved["hardware"]), cfg.model.dtype,
                            tp=cfg.engine.tensor_parallel)
@@ -255,9 +211,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
 
     builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len)
-    writer = UnitWriter(checkpoint, sink, cfg.sampling.n)
-    progress = make_progress(cfg.progress.mode, checkpoint.todo_rows, cfg.progress.log_every_s, stdout, log.info)
-    state = _Run(cfg, checkpoint, writer, builder, cfg.input.id_column if id_type else None)
+    writer = UnitWriter(run_state, sink, cfg.sampling.n)
+    progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
+    state = _Run(cfg, source, run_state, writer, builder, cfg.input.id_column if ids else None)
     stats = engine.stats
     for result in engine.generate(state.requests()):
         state.accept(result)
@@ -268,11 +224,11 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens, 0,
                              state.bound.total))
     progress.close()
-    if writer.committed_units < len(checkpoint.todo):
+    if writer.committed_units < len(run_state.todo):
         if not stop.stopping:  # every row of every unit was admitted: results went missing
-            raise RuntimeError(f"{len(checkpoint.todo) - writer.committed_units} units incomplete with no stop")
+            raise RuntimeError(f"{len(run_state.todo) - writer.committed_units} units incomplete with no stop")
         # Only a stop request ends admission early; the units it left open are redone on resume.
-        raise Interrupted(f"{stop.reason or 'stopped'}: {writer.committed_units} of {len(checkpoint.todo)} "
+        raise Interrupted(f"{stop.reason or 'stopped'}: {writer.committed_units} of {len(run_state.todo)} "
                           "units committed; run the same command again to resume")
     t_end = time.perf_counter()
 
@@ -308,24 +264,24 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "model": {"name": cfg.model.name, "path": model_path, "loaded_name": loaded.name,
                   "dtype": cfg.model.dtype},
         "units_committed": writer.committed_units,
-        "units_done_before": len(checkpoint.mine) - len(checkpoint.todo),
-        "shard": {"index": checkpoint.shard_index, "count": checkpoint.num_shards},
+        "units_done_before": len(run_state.mine) - len(run_state.todo),
+        "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
         "config_fingerprint": fingerprint,
         "version": __version__,
         "config": cfg.resolved,
         "timeseries": recorder.to_json(),
     }
-    sink.finish(metrics, "metrics.json" if checkpoint.num_shards == 1 else
-                f"metrics-shard-{checkpoint.shard_index:05d}-of-{checkpoint.num_shards:05d}.json")
+    sink.finish(metrics, "metrics.json" if run_state.num_shards == 1 else
+                f"metrics-shard-{run_state.shard_index:05d}-of-{run_state.num_shards:05d}.json")
     if cfg.output.report:
-        folder = cfg.output.path if checkpoint.num_shards == 1 else \
-            f"{cfg.output.path.rstrip('/')}/report-shard-{checkpoint.shard_index:05d}"
+        folder = cfg.output.path if run_state.num_shards == 1 else \
+            f"{cfg.output.path.rstrip('/')}/report-shard-{run_state.shard_index:05d}"
         keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
                 "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
                 "preemptions", "evictions")
         write_report(folder, metrics["timeseries"], title=f"{cfg.model.name}: {cfg.output.path}",
                      summary={k: metrics[k] for k in keys})
-    if not checkpoint.finish():  # `_SUCCESS` once every shard's units are committed
-        log.info("%sdone; the output is complete when the other shards are", checkpoint.shard_label)
+    if not run_state.finish():  # `_SUCCESS` once every shard's units are committed
+        log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)
     print(summary(metrics), file=stdout, flush=True)
     return metrics

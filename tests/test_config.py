@@ -9,8 +9,14 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from pipeline.__main__ import CONF_DIR, hydra_argv
-from pipeline.config import SamplingSection, job_file_overrides, load_job_config, register_schema
+from pipeline.config import (
+    CONF_DIR,
+    SamplingSection,
+    hydra_argv,
+    job_file_overrides,
+    load_job_config,
+    register_schema,
+)
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
@@ -18,7 +24,7 @@ from pipeline.errors import JobError
 
 def compose_job(*overrides: str):
     register_schema()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose("config", overrides=list(overrides))
 
 
@@ -86,12 +92,22 @@ def test_invalid_values_name_the_key(override, words):
     assert words in str(e.value)
 
 
-def test_fingerprint_follows_what_changes_outputs():
-    base = load_job_config(compose_job()).fingerprint()
-    assert load_job_config(compose_job("output.path=elsewhere", "progress.mode=off")).fingerprint() == base
-    assert load_job_config(compose_job("sampling.temperature=0.5")).fingerprint() != base
-    assert load_job_config(compose_job("model.path=/x.gguf")).fingerprint() != base
-    assert len(base) == 64
+def test_fingerprint_follows_what_changes_outputs(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"1234")
+
+    def fingerprint(*overrides: str) -> dict:
+        return load_job_config(compose_job(*overrides)).fingerprint(str(model))
+
+    base = fingerprint()
+    assert base["model"]["bytes"] == 4
+    assert fingerprint("output.path=elsewhere", "progress.mode=off", "engine.max_batch_size=8",
+                       "input.path=./other/*.parquet", "input.batch_rows=8") == base
+    assert fingerprint("sampling.temperature=0.5") != base
+    assert fingerprint("model.name=other") != base
+    assert fingerprint("engine.seed=1") != base
+    model.write_bytes(b"12345")  # weights replaced at the same path
+    assert fingerprint() != base
 
 
 def test_job_file_is_split_out_of_argv(tmp_path):
@@ -127,7 +143,7 @@ def test_job_file_merges_over_defaults_and_under_overrides(tmp_path):
         "model: smollm2-135m\ninput:\n  path: prompts/\n  passthrough_columns: [lang]\n"
         "sampling:\n  max_tokens: 3\n  temperature: 0.5\n")
     args = hydra_argv([f"conf={tmp_path}/job.yaml", "sampling.max_tokens=2"])
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         job = load_job_config(compose("config", overrides=args))
     assert job.sampling.max_tokens == 2 and job.sampling.temperature == 0.5  # command line > file > defaults
     assert job.input.path == "prompts/" and job.input.passthrough_columns == ["lang"]
@@ -137,7 +153,7 @@ def test_job_file_merges_over_defaults_and_under_overrides(tmp_path):
 def test_job_file_with_unknown_key_fails_while_composing(tmp_path):
     (tmp_path / "job.yaml").write_text("sampling:\n  temprature: 0.5\n")
     args = hydra_argv([f"conf={tmp_path}/job.yaml"])
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None), \
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None), \
             pytest.raises(ConfigCompositionException) as e:
         compose("config", overrides=args)
     assert "temprature" in str(e.value) + str(e.value.__cause__)

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.model.hf_file import config_from_hf
-from pipeline.plan.__main__ import main, split_args
-from pipeline.roofline import decode_ceiling, kv_bytes_per_token
+from pipeline.perf.plan_cli import main, split_args
+from pipeline.perf.roofline import decode_ceiling, kv_bytes_per_token
 from tests.test_roofline import H100
 
 PROMPTS = ["What is 2+2?", "What is the capital of France?", "What is 2+3?", "Name a colour.",
@@ -40,7 +40,7 @@ def test_split_args():
 
 
 def test_plan_of_a_job(capsys, tiny_model_dir, input_path):
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.model.tokenizer import Tokenizer
 
     f = run_json(capsys, f"model.path={tiny_model_dir}", f"input.path={input_path}", "hardware=h100",
                  "engine.max_batch_size=8", "sampling.max_tokens=10", "hardware.price_per_hour=3.6",

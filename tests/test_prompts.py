@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
-from pipeline.prompts import PromptBuilder
-from pipeline.tokenizer import Tokenizer
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.source.prompts import PromptBuilder
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

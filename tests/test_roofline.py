@@ -12,8 +12,8 @@ import yaml
 from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.config import ModelConfig
 from pipeline.model.llama import LlamaModel
-from pipeline.probe import ProbeResult, fill_hardware_config, measure_bandwidth, measure_matmul_peak
-from pipeline.roofline import (
+from pipeline.perf.probe import ProbeResult, fill_hardware_config, measure_bandwidth, measure_matmul_peak
+from pipeline.perf.roofline import (
     HardwareProfile,
     Roofline,
     aggregate_bandwidth,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline.model.loader import default_model_path
-from pipeline.tokenizer import Tokenizer
+from pipeline.model.tokenizer import Tokenizer
 
 TINY_CONFIG = {
     "vocab_size": 49152,

@@ -17,11 +17,10 @@ import torch
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.request import Request, Result, SamplingParams
-from pipeline.engine.runner import build_batch, kv_bytes_per_block
+from pipeline.engine.runner import Runner, RunnerFactory, build_batch, kv_bytes_per_block
 from pipeline.engine.sampler import sample
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
-from pipeline.engine.tp_runner import make_runner
 
 
 @dataclass
@@ -65,7 +64,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, loaded_model: Any, config: EngineConfig | None = None):
+    def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner):
+        """`make_runner` builds the step executor once the KV pool is sized: the plain `Runner`, or the
+        tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model."""
         self.config = config = config or EngineConfig()
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -88,7 +89,12 @@ class Engine:
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_batch_size)
-        self.runner = make_runner(self.model, num_blocks, config.block_size, self.device, config.tensor_parallel)
+        if self.model.tp.size != config.tensor_parallel:
+            raise ValueError(
+                f"engine.tensor_parallel={config.tensor_parallel} but the model was loaded for {self.model.tp.size} "
+                "rank(s); load it with pipeline.parallel.runner.open_model(..., tensor_parallel=N)"
+            )
+        self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(config.seed)

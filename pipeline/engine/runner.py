@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 import torch
 
@@ -283,6 +285,18 @@ class Runner:
         self.attn.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+
+
+class StepRunner(Protocol):
+    """What the engine needs of a runner: one step in, logits out, and the attention state it reports on."""
+
+    attn: PagedAttention
+
+    def execute(self, batch: StepBatch) -> torch.Tensor: ...
+
+
+# (model, num_blocks, block_size, device) -> runner; `Runner` itself, or a tensor-parallel one.
+RunnerFactory = Callable[[LlamaModel, int, int, torch.device], StepRunner]
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.gguf_format import GGUFFile
+from pipeline.model.tokenizer import Tokenizer
 
 # GGUF architectures we can run and whose Q/K weights llama.cpp's converter permuted for its RoPE layout.
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -143,9 +144,7 @@ class GGUFCheckpoint:
             architecture=arch,
         )
 
-    def load_tokenizer(self):
-        from pipeline.tokenizer import Tokenizer
-
+    def load_tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(self.path, metadata=self.file.metadata)
 
     def raw(self, name: str) -> RawTensor:

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.model.config import ModelConfig
+from pipeline.model.tokenizer import Tokenizer
 
 # Hugging Face architectures that are this decoder: name -> (family name, whether q/k/v carry a bias).
 SUPPORTED_ARCHITECTURES = {
@@ -100,10 +101,8 @@ class HFCheckpoint:
             raise FileNotFoundError(f"{self.path}: no *.safetensors weights (and no {INDEX_FILE})")
         return files
 
-    def load_tokenizer(self):
+    def load_tokenizer(self) -> Tokenizer:
         """The directory's tokenizer; raises when it can produce ids the model has no embedding for."""
-        from pipeline.tokenizer import Tokenizer
-
         tok = Tokenizer.from_hf_dir(self.path)
         if tok.vocab_size > self.config.vocab_size:
             raise ValueError(

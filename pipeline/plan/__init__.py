@@ -1,1 +1,1 @@
-"""Planning: prefix-aware ordering of the input and the roofline arithmetic for a job."""
+"""Planning the input: prefix-aware ordering inside bounded windows, work units with stable ids."""

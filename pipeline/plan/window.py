@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.plan.prefix import PrefixTreeCounter, prefix_order
-from pipeline.prompts import Prepared
+from pipeline.source.prompts import Prepared
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections import Counter
 import pyarrow as pa
 import pytest
 
-from pipeline.verify import verify_output
+from pipeline.output.verify import verify_output
 from tests.checkpoint.jobs import read_output, write_prompts
 
 pytestmark = pytest.mark.slow

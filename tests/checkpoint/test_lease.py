@@ -12,7 +12,7 @@ import time
 import fsspec
 import pytest
 
-from pipeline.io.lease import Lease, LeaseHeld
+from pipeline.output.lease import Lease, LeaseHeld
 from tests.checkpoint.jobs import wait_for
 
 

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.io.ledger import Ledger, ids_checksum, part_name
-from pipeline.io.sink import ParquetSink
+from pipeline.output.ledger import Ledger, ids_checksum, part_name
+from pipeline.output.sink import ParquetSink
 
 SCHEMA = pa.schema([("id", pa.int64()), ("text", pa.string())])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import fsspec
 import pytest
 
-from pipeline.io.ledger import Ledger
-from pipeline.io.manifest import (
+from pipeline.output.ledger import Ledger
+from pipeline.output.manifest import (
     JOB_FILE,
     OutputConflict,
     describe_changes,

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from pipeline.verify import verify_output
+from pipeline.output.verify import verify_output
 from tests.checkpoint.jobs import REPO, read_output
 
 pytestmark = pytest.mark.slow

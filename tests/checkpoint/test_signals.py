@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline.signals import GracefulStop, Interrupted
+from pipeline.output.signals import GracefulStop, Interrupted
 
 
 def spin_until_interrupted(limit_s: float) -> float:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline.verify import verify_output
+from pipeline.output.verify import verify_output
 from tests.checkpoint.jobs import read_output, wait_for, write_prompts
 
 pytestmark = pytest.mark.slow

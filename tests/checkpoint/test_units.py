@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.units import InputFile, WorkPlan, resolve_shard, shard_bounds
+from pipeline.plan.units import InputFile, WorkPlan, resolve_shard, shard_bounds
 
 
 def make_plan(rows: list[int], window_rows: int, rows_per_part: int) -> WorkPlan:

@@ -45,8 +45,8 @@ def main() -> None:
 
     import pipeline.__main__  # noqa: F401
     import pipeline.engine.engine  # noqa: F401
-    import pipeline.engine.tp_runner  # noqa: F401
     import pipeline.job  # noqa: F401
+    import pipeline.parallel.runner  # noqa: F401
 
     out = sys.stdout
     out.write(json.dumps({"ready": os.getpid()}) + "\n")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from pipeline.io.progress import BarProgress, Counters, LogProgress, Progress, make_progress, rates, summary
+from pipeline.perf.progress import BarProgress, Counters, LogProgress, Progress, make_progress, rates, summary
 
 
 class Clock:

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.io.sink import ParquetSink, result_schema
+from pipeline.output.sink import ParquetSink, result_schema
 
 META = {"pipeline.model": "m", "pipeline.version": "9"}
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.errors import JobError
-from pipeline.io.source import ColumnSpec, ParquetSource
+from pipeline.source.files import ColumnSpec, ParquetSource
 
 TEXT = ColumnSpec("prompt", "input.prompt_column", pa.types.is_string, "string")
 
@@ -35,13 +35,13 @@ def ids(source, batch_rows=100):
 
 def test_directory_lists_parquet_files_in_stable_order(shards):
     source = ParquetSource(str(shards))
-    assert [s.name for s in source.shards] == ["a.parquet", "b.parquet", "sub/c.parquet"]
+    assert [s.name for s in source.files] == ["a.parquet", "b.parquet", "sub/c.parquet"]
     assert source.total_rows == 6  # from the footers alone
     assert ids(source) == [0, 1, 2, 3, 4, 5]
 
 
 def test_glob_and_list_inputs(shards):
-    assert [s.name for s in ParquetSource(f"{shards}/*.parquet").shards] == ["a.parquet", "b.parquet"]
+    assert [s.name for s in ParquetSource(f"{shards}/*.parquet").files] == ["a.parquet", "b.parquet"]
     both = ParquetSource([str(shards / "b.parquet"), str(shards / "sub"), str(shards / "b.parquet")])
     assert ids(both) == [3, 4, 5]  # listed once, sorted
 
@@ -121,7 +121,7 @@ def test_memory_filesystem():
         write(f"memory://{name}", id=rows, prompt=["p"] * len(rows))
     try:
         source = ParquetSource("memory://x/*.parquet")
-        assert [s.name for s in source.shards] == ["1.parquet", "2.parquet"]
+        assert [s.name for s in source.files] == ["1.parquet", "2.parquet"]
         assert ids(source) == [0, 1, 2]
     finally:
         fs.rm("/x", recursive=True)

@@ -19,7 +19,7 @@ from pipeline.model.quant import (
     quantize_model,
     quantize_tensor,
 )
-from pipeline.parallel import TPGroup
+from pipeline.parallel.group import TPGroup
 
 
 def _weights(n, k, seed=0):

@@ -13,7 +13,7 @@ import unicodedata
 
 import pytest
 
-from pipeline.tokenizer import Tokenizer
+from pipeline.model.tokenizer import Tokenizer
 
 BASE_STRINGS = [
     "Hello world",

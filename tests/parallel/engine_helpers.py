@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
-from pipeline.engine.tp_runner import open_model
+from pipeline.engine.runner import Runner, RunnerFactory
+from pipeline.parallel.runner import open_model
 
 
 def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -17,10 +18,11 @@ def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))] for _ in range(count)]
 
 
-def greedy(loaded, prompts: list[list[int]], max_tokens: int, tensor_parallel: int = 1) -> dict[int, tuple]:
+def greedy(loaded, prompts: list[list[int]], max_tokens: int, tensor_parallel: int = 1,
+           make_runner: RunnerFactory = Runner) -> dict[int, tuple]:
     """id -> (tokens, per-step top-2 logprobs) for greedy decoding of every prompt in one batch."""
     config = EngineConfig(kv_cache_memory="64MiB", max_batched_tokens=256, tensor_parallel=tensor_parallel)
-    engine = Engine(loaded, config)
+    engine = Engine(loaded, config, make_runner)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     out = {r.id: (r.token_ids, r.logprobs)
            for r in engine.generate(Request(i, p, sampling) for i, p in enumerate(prompts))}
@@ -29,8 +31,8 @@ def greedy(loaded, prompts: list[list[int]], max_tokens: int, tensor_parallel: i
 
 
 def greedy_tp(path, prompts, max_tokens: int, tensor_parallel: int, **load) -> dict[int, tuple]:
-    with open_model(path, tensor_parallel=tensor_parallel, **load) as loaded:
-        return greedy(loaded, prompts, max_tokens, tensor_parallel)
+    with open_model(path, tensor_parallel=tensor_parallel, **load) as sharded:
+        return greedy(sharded.loaded, prompts, max_tokens, tensor_parallel, sharded.make_runner)
 
 
 @dataclass

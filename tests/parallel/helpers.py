@@ -14,7 +14,7 @@ from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.config import ModelConfig
 from pipeline.model.hf_file import config_from_hf
 from pipeline.model.llama import LlamaModel
-from pipeline.parallel import TPGroup
+from pipeline.parallel.group import TPGroup
 
 
 def tiny_config() -> ModelConfig:

@@ -8,16 +8,11 @@ import pytest
 import torch
 
 from pipeline.engine.runner import StepBatch
-from pipeline.engine.tp_runner import pack_batch, unpack_batch
-from pipeline.parallel import (
-    SINGLE,
-    StepChannel,
-    TorchrunEnv,
-    backend_for,
-    pack_tensors,
-    threads_per_rank,
-    unpack_tensors,
-)
+from pipeline.parallel.group import SINGLE
+from pipeline.parallel.pool import backend_for, threads_per_rank
+from pipeline.parallel.runner import pack_batch, unpack_batch
+from pipeline.parallel.torchrun import TorchrunEnv
+from pipeline.parallel.wire import StepChannel, pack_tensors, unpack_tensors
 
 
 def roundtrip(tensors):

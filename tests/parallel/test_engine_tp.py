@@ -10,8 +10,8 @@ import torch
 
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
-from pipeline.engine.tp_runner import open_model
 from pipeline.model.loader import load_model
+from pipeline.parallel.runner import open_model
 from tests.parallel.engine_helpers import greedy, greedy_tp, mismatches, random_prompts
 
 PROMPTS = 32

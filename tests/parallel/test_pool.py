@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from pipeline.parallel import SINGLE, WorkerFailed, WorkerPool
+from pipeline.parallel.group import SINGLE
+from pipeline.parallel.pool import WorkerFailed, WorkerPool
 from tests.parallel.helpers import TinyLlamaSpec
 
 pytestmark = pytest.mark.slow

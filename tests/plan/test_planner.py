@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from pipeline.plan.prefix import unique_prefix_tokens
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
-from pipeline.prompts import Prepared
+from pipeline.source.prompts import Prepared
 
 # A row is {"tokens": [...]} or {"tokens": None} (an error row).
 rows_st = st.lists(st.fixed_dictionaries({"tokens": st.none() | st.lists(st.integers(0, 3), min_size=1, max_size=6)}),

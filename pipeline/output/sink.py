@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from pipeline.errors import JobError
-from pipeline.io.ledger import part_name, write_whole
+from pipeline.output.ledger import part_name, write_whole
 
 METRICS_FILE = "metrics.json"
 

@@ -1,8 +1,8 @@
 """The engine under tensor parallelism: rank 0 schedules and samples, every rank runs the same step.
 
 `open_model(...)` starts the N-1 workers (or joins the ranks `torchrun` started), loads rank 0's shard and
-waits until every worker holds its own; the engine then picks `TPRunner` through `make_runner` because
-the model's `tp.size > 1`. Each step `TPRunner` broadcasts the `StepBatch` (a handful of int tensors, one
+waits until every worker holds its own; it hands the engine a `ShardedModel` whose `make_runner` builds a
+`TPRunner`. Each step `TPRunner` broadcasts the `StepBatch` (a handful of int tensors, one
 broadcast) and runs rank 0's half; the workers' `RunnerWorker` runs the same batch on its shard and its
 own KV pools (holding its KV heads only). Logits are all-gathered inside the LM head; only rank 0 samples.
 """
@@ -20,16 +20,11 @@ import torch
 
 from pipeline.engine.runner import Runner, StepBatch
 from pipeline.model.llama import LlamaModel
-from pipeline.model.loader import LoadedModel, load_model, open_checkpoint
-from pipeline.parallel import (
-    SINGLE,
-    TorchrunEnv,
-    TPGroup,
-    WorkerPool,
-    join_torchrun,
-    rank_device,
-    run_worker,
-)
+from pipeline.model.loader import LoadedModel, load_model, open_model_file
+from pipeline.parallel.group import SINGLE, TPGroup
+from pipeline.parallel.pool import WorkerPool, rank_device
+from pipeline.parallel.torchrun import TorchrunDriver, TorchrunEnv, join_torchrun
+from pipeline.parallel.wire import StepDriver, run_worker
 
 _BATCH_FIELDS = [f.name for f in dataclasses.fields(StepBatch)]
 
@@ -82,10 +77,9 @@ class TPRunner:
     """Rank 0's runner: the same interface as `Runner` (`execute`, `attn`, `model`); each step first goes
     to the workers, then runs here. Worker failures surface as `WorkerFailed` naming the rank."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device):
-        if model.tp.driver is None:
-            raise ValueError("a tensor-parallel model needs its workers: load it with tp_runner.open_model")
-        self.driver = model.tp.driver
+    def __init__(self, driver: StepDriver, model: LlamaModel, num_blocks: int, block_size: int,
+                 device: torch.device):
+        self.driver = driver
         self.local = Runner(model, num_blocks, block_size, device)
         self.model = model
         self.attn = self.local.attn
@@ -95,18 +89,19 @@ class TPRunner:
         return self.driver.step(pack_batch(batch), lambda: self.local.execute(batch))
 
 
-def make_runner(
-    model: LlamaModel, num_blocks: int, block_size: int, device: torch.device, tensor_parallel: int = 1
-) -> Runner | TPRunner:
-    """The engine's runner: plain for one rank, `TPRunner` when the model is split across ranks."""
-    if model.tp.size != tensor_parallel:
-        raise ValueError(
-            f"engine.tensor_parallel={tensor_parallel} but the model was loaded for {model.tp.size} rank(s); "
-            "load it with pipeline.engine.tp_runner.open_model(..., tensor_parallel=N)"
-        )
-    if tensor_parallel == 1:
-        return Runner(model, num_blocks, block_size, device)
-    return TPRunner(model, num_blocks, block_size, device)
+@dataclass
+class ShardedModel:
+    """A model held by every rank: rank 0's `LoadedModel` and the driver that sends each step to the
+    other ranks (None for one rank). Pass `make_runner` to the engine."""
+
+    loaded: LoadedModel
+    driver: StepDriver | None = None
+
+    def make_runner(self, model: LlamaModel, num_blocks: int, block_size: int,
+                    device: torch.device) -> Runner | TPRunner:
+        if self.driver is None:
+            return Runner(model, num_blocks, block_size, device)
+        return TPRunner(self.driver, model, num_blocks, block_size, device)
 
 
 @contextlib.contextmanager
@@ -119,10 +114,10 @@ def open_model(
     tensor_parallel: int = 1,
     threads: int | None = None,
     timeout_s: float = 300.0,
-) -> Iterator[LoadedModel]:
+) -> Iterator[ShardedModel]:
     """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
 
-    device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model`. Otherwise the head
+    device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model` and the plain runner. Otherwise the head
     counts are checked before any process starts; under `torchrun` (its RANK/WORLD_SIZE in the
     environment) the ranks it started are joined instead of spawning, and ranks > 0 serve steps here and
     then exit the process (SystemExit 0). Leaving the block normally stops the workers in order; an
@@ -130,25 +125,27 @@ def open_model(
     """
     device = _resolve_device(device)
     if tensor_parallel == 1:
-        yield load_model(path, dtype, SINGLE, device, quant, quant_group_size)
+        yield ShardedModel(load_model(path, dtype, SINGLE, device, quant, quant_group_size))
         return
-    open_checkpoint(path).config.check_tensor_parallel(tensor_parallel)
+    open_model_file(path).config.check_tensor_parallel(tensor_parallel)
     spec = ShardSpec(str(path), dtype, quant, quant_group_size)
     env = TorchrunEnv.from_env()
+    driver: StepDriver
     if env is None:
-        group = WorkerPool(tensor_parallel, spec, device, threads, timeout_s).group
+        pool = WorkerPool(tensor_parallel, spec, device, threads, timeout_s)
+        group, driver = pool.group, pool
     elif env.rank > 0:
         _serve_torchrun(env, spec, tensor_parallel, device, threads, timeout_s)
         raise SystemExit(0)
     else:
         group = _join_torchrun(env, tensor_parallel, device, threads, timeout_s)
-    driver = group.driver
+        driver = TorchrunDriver(group, rank_device(device, env.local_rank))
     ok = False
     try:
         device = rank_device(device, env.local_rank if env else 0)
         loaded = load_model(path, dtype, group, device, quant, quant_group_size)
         driver.wait_ready()
-        yield loaded
+        yield ShardedModel(loaded, driver)
         ok = True
     finally:
         driver.close(graceful=ok)
@@ -172,7 +169,7 @@ def serve_as_torchrun_worker(
     env = TorchrunEnv.from_env()
     if env is None or env.rank == 0 or tensor_parallel == 1:
         return False
-    open_checkpoint(path).config.check_tensor_parallel(tensor_parallel)
+    open_model_file(path).config.check_tensor_parallel(tensor_parallel)
     spec = ShardSpec(str(path), dtype, quant, quant_group_size)
     _serve_torchrun(env, spec, tensor_parallel, _resolve_device(device), threads, timeout_s)
     return True

@@ -22,8 +22,8 @@ import fsspec
 
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
-from pipeline.io.lease import LEASE_DIR
-from pipeline.io.ledger import SUCCESS_FILE, write_whole
+from pipeline.output.lease import LEASE_DIR
+from pipeline.output.ledger import SUCCESS_FILE, write_whole
 
 JOB_FILE = "_job.json"
 MODES = ("resume", "overwrite", "fail_if_exists")

@@ -1,4 +1,4 @@
-"""Read prompt rows from Parquet shards through fsspec, streaming, in a stable order.
+"""Read prompt rows from Parquet files through fsspec, streaming, in a stable order.
 
 The listing (which files, in which order, how many rows each) is fixed up front from the Parquet footers
 alone, so the progress total and any later planning are known before a row is read; the rows themselves
@@ -22,7 +22,7 @@ _GLOB_CHARS = "*?["
 
 
 @dataclass(frozen=True)
-class Shard:
+class SourceFile:
     """One input file: `path` on `fs`, `name` relative to the input root (used in ids and messages)."""
 
     path: str
@@ -76,7 +76,7 @@ def _read_footer(fs: fsspec.AbstractFileSystem, path: str, name: str) -> tuple[i
 
 
 class ParquetSource:
-    """The input shards of one job, checked against the columns it needs."""
+    """The input files of one job, checked against the columns it needs."""
 
     def __init__(self, path: str | Sequence[str], storage_options: dict | None = None) -> None:
         entries = [path] if isinstance(path, str) else list(path)
@@ -93,57 +93,57 @@ class ParquetSource:
         files = list(listed.items())
         self.fs = fs
         root = posixpath.commonpath([p for p, _ in files]) if len(files) > 1 else posixpath.dirname(files[0][0])
-        self.shards: list[Shard] = []
+        self.files: list[SourceFile] = []
         for p, size in files:
             name = posixpath.relpath(p, root) if root else p
             num_rows, schema = _read_footer(fs, p, name)
-            self.shards.append(Shard(p, name, size, num_rows, schema))
+            self.files.append(SourceFile(p, name, size, num_rows, schema))
 
     @property
     def total_rows(self) -> int:
-        return sum(s.num_rows for s in self.shards)
+        return sum(s.num_rows for s in self.files)
 
     def check_columns(self, specs: Sequence[ColumnSpec]) -> dict[str, pa.DataType]:
-        """Check every shard has each required column with an accepted type, the same in every shard.
+        """Check every file has each required column with an accepted type, the same in every file.
 
         Returns the type of each present column; raises JobError naming the file, column and key.
         """
         types: dict[str, pa.DataType] = {}
         for spec in specs:
-            for shard in self.shards:
-                if spec.name not in shard.schema.names:
+            for file in self.files:
+                if spec.name not in file.schema.names:
                     if not spec.required:
                         continue
                     raise JobError(
-                        f"{shard.name}: no column {spec.name!r} (set by {spec.key}); available columns: "
-                        f"{', '.join(shard.schema.names)}"
+                        f"{file.name}: no column {spec.name!r} (set by {spec.key}); available columns: "
+                        f"{', '.join(file.schema.names)}"
                     )
-                dtype = shard.schema.field(spec.name).type
+                dtype = file.schema.field(spec.name).type
                 if not (spec.accepts(dtype) or pa.types.is_null(dtype)):
                     raise JobError(
-                        f"{shard.name}: column {spec.name!r} ({spec.key}) has type {dtype}, expected {spec.expected}"
+                        f"{file.name}: column {spec.name!r} ({spec.key}) has type {dtype}, expected {spec.expected}"
                     )
                 seen = types.setdefault(spec.name, dtype)
                 if pa.types.is_null(seen):
                     types[spec.name] = seen = dtype
                 if dtype != seen and not pa.types.is_null(dtype):
                     raise JobError(
-                        f"{shard.name}: column {spec.name!r} has type {dtype} but earlier files have {seen}"
+                        f"{file.name}: column {spec.name!r} has type {dtype} but earlier files have {seen}"
                     )
         return types
 
-    def batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[tuple[Shard, int, pa.RecordBatch]]:
-        """Yield (shard, index of the batch's first row in the shard, batch) in listing order.
+    def batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[tuple[SourceFile, int, pa.RecordBatch]]:
+        """Yield (file, index of the batch's first row in the file, batch) in listing order.
 
-        Columns a shard lacks (optional ones) are simply absent from its batches.
+        Columns a file lacks (optional ones) are simply absent from its batches.
         """
-        for shard in self.shards:
-            present = [c for c in columns if c in shard.schema.names]
+        for file in self.files:
+            present = [c for c in columns if c in file.schema.names]
             start = 0
             try:
-                with self.fs.open(shard.path, "rb") as f:
+                with self.fs.open(file.path, "rb") as f:
                     for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=present):
-                        yield shard, start, batch
+                        yield file, start, batch
                         start += batch.num_rows
             except (OSError, pa.ArrowException) as e:
-                raise JobError(f"cannot read Parquet file {shard.name} near row {start}: {e}") from None
+                raise JobError(f"cannot read Parquet file {file.name} near row {start}: {e}") from None

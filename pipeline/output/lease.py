@@ -29,7 +29,7 @@ from typing import Any
 import fsspec
 
 from pipeline.errors import JobError
-from pipeline.io.ledger import write_whole
+from pipeline.output.ledger import write_whole
 
 log = logging.getLogger(__name__)
 

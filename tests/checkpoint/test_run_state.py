@@ -1,14 +1,17 @@
-"""Checkpoint.rows streams exactly the rows still to do, unit by unit; UnitWriter commits complete units."""
+"""rows_to_do streams exactly the rows a RunState still has to do, unit by unit; UnitWriter commits complete units."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pytest
 
-from pipeline.checkpoint import Checkpoint, UnitWriter, job_fingerprint
-from pipeline.io.sink import ParquetSink
-from pipeline.io.source import ParquetSource
-from pipeline.signals import GracefulStop
+from pipeline.output.commit import UnitWriter
+from pipeline.output.run_state import RunState
+from pipeline.output.signals import GracefulStop
+from pipeline.output.sink import ParquetSink
+from pipeline.plan.rows import rows_to_do
+from pipeline.plan.units import InputFile, WorkPlan
+from pipeline.source.files import ParquetSource
 from tests.checkpoint.jobs import read_output, write_prompts
 
 FP = {"model": {"path": "m"}}
@@ -23,19 +26,25 @@ def source(tmp_path) -> ParquetSource:
     return ParquetSource(str(tmp_path / "in"))
 
 
-def checkpoint(source, out, stop=None, **kw) -> Checkpoint:
-    args = {"rows_per_part": 2, "window_rows": 5, "num_shards": None, "shard_index": None, "lease_timeout_s": 30}
-    return Checkpoint(str(out), source, stop=stop or GracefulStop(10), **{**args, **kw})
+def checkpoint(source, out, stop=None, **kw) -> RunState:
+    plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files), window_rows=5,
+                    rows_per_part=2)
+    args = {"num_shards": None, "shard_index": None, "lease_timeout_s": 30}
+    return RunState(str(out), plan, FP, stop=stop or GracefulStop(10), **{**args, **kw})
 
 
-def streamed(cp: Checkpoint) -> list[tuple[str, int, str, int, int]]:
-    return [(u.id, pos, shard.name, row_index, row["id"]) for u, pos, shard, row_index, row in cp.rows(["id"], 4)]
+def rows(state: RunState, source: ParquetSource):
+    return rows_to_do(source, state.plan, state.todo, ["id"], 4, stopping=lambda: state.stop.stopping)
+
+
+def streamed(state: RunState, source: ParquetSource) -> list[tuple[str, int, str, int, int]]:
+    return [(u.id, pos, file.name, row_index, row["id"]) for u, pos, file, row_index, row in rows(state, source)]
 
 
 def test_rows_follow_units_and_windows(source, tmp_path):
     cp = checkpoint(source, tmp_path / "out")
-    assert cp.start(FP, "resume") == "run"
-    rows = streamed(cp)
+    assert cp.start("resume") == "run"
+    rows = streamed(cp, source)
     assert [r[4] for r in rows] == list(range(13))
     # windows of 5 rows (the third has 3), units of 2 inside them: 2+2+1 | 2+2+1 | 2+1
     assert [r[0] for r in rows] == ["000000"] * 2 + ["000001"] * 2 + ["000002"] + ["000003"] * 2 + [
@@ -47,10 +56,10 @@ def test_rows_follow_units_and_windows(source, tmp_path):
 def test_committed_units_are_skipped_and_shards_get_their_own(source, tmp_path):
     out = tmp_path / "out"
     cp = checkpoint(source, out)
-    cp.start(FP, "resume")
+    cp.start("resume")
     sink = ParquetSink(str(out), pa.schema([("id", pa.int64()), ("sample_index", pa.int32())]), {})
     writer = UnitWriter(cp, sink, samples=2)
-    for unit, pos, _, _, row in cp.rows(["id"], 4):
+    for unit, pos, _, _, row in rows(cp, source):
         if unit.id in ("000001", "000006"):
             for s in (1, 0):  # samples arrive out of order; the part is sorted
                 writer.add(unit, pos, {"id": row["id"], "sample_index": s})
@@ -60,22 +69,22 @@ def test_committed_units_are_skipped_and_shards_get_their_own(source, tmp_path):
         (10, 0), (10, 1), (11, 0), (11, 1), (2, 0), (2, 1), (3, 0), (3, 1)]  # sorted by str(id)
 
     again = checkpoint(source, out)
-    again.start(FP, "resume")
-    assert [r[4] for r in streamed(again)] == [0, 1, 4, 5, 6, 7, 8, 9, 12]
+    again.start("resume")
+    assert [r[4] for r in streamed(again, source)] == [0, 1, 4, 5, 6, 7, 8, 9, 12]
     again.close()
     shard = checkpoint(source, out, num_shards=2, shard_index=1)  # units 4..7, 6 committed
-    shard.start(FP, "resume")
+    shard.start("resume")
     assert [u.id for u in shard.todo] == ["000004", "000005", "000007"]
-    assert [r[4] for r in streamed(shard)] == [7, 8, 9, 12]
+    assert [r[4] for r in streamed(shard, source)] == [7, 8, 9, 12]
     shard.close()
 
 
 def test_rows_stop_when_a_stop_is_requested(source, tmp_path):
     stop = GracefulStop(10)
     cp = checkpoint(source, tmp_path / "out", stop=stop)
-    cp.start(FP, "resume")
+    cp.start("resume")
     got = []
-    for _, _, _, _, row in cp.rows(["id"], 4):
+    for _, _, _, _, row in rows(cp, source):
         got.append(row["id"])
         if len(got) == 3:
             stop.request_stop("test")
@@ -84,43 +93,26 @@ def test_rows_stop_when_a_stop_is_requested(source, tmp_path):
 
 
 def test_a_lost_lease_refuses_to_commit(source, tmp_path):
-    from pipeline.io.lease import LeaseHeld
+    from pipeline.output.lease import LeaseHeld
 
     out = tmp_path / "out"
     cp = checkpoint(source, out)
-    cp.start(FP, "resume")
+    cp.start("resume")
     writer = UnitWriter(cp, ParquetSink(str(out), pa.schema([("id", pa.int64())]), {}), samples=1)
     cp.lease.lost = "lease taken over by host x"
-    unit, pos, _, _, row = next(cp.rows(["id"], 4))
+    unit, pos, _, _, row = next(rows(cp, source))
     writer.add(unit, pos, {"id": row["id"]})
     with pytest.raises(LeaseHeld, match="not committing unit 000000: lease taken over"):
         writer.add(unit, pos + 1, {"id": 1})
     cp.close()
 
 
-def test_fingerprint_ignores_speed_settings_but_not_results_settings(tmp_path):
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"1234")
-    resolved = {"model": {"name": "x", "path": str(model), "dtype": "float32"}, "sampling": {"max_tokens": 4},
-                "input": {"path": "a/*.parquet", "batch_rows": 1024, "prompt_column": "prompt"},
-                "engine": {"max_batch_size": 64, "max_model_len": None, "seed": 0}, "output": {"token_ids": False}}
-    base = job_fingerprint(resolved, str(model))
-    assert base["model"]["bytes"] == 4
-    faster = {**resolved, "engine": {**resolved["engine"], "max_batch_size": 8},
-              "input": {**resolved["input"], "path": "./a/*.parquet", "batch_rows": 8}}
-    assert job_fingerprint(faster, str(model)) == base
-    reseeded = {**resolved, "engine": {**resolved["engine"], "seed": 1}}
-    assert job_fingerprint(reseeded, str(model)) != base
-    model.write_bytes(b"12345")  # weights replaced at the same path
-    assert job_fingerprint(resolved, str(model)) != base
-
-
 def test_an_input_that_shrinks_after_listing_is_an_error_not_lost_rows(source, tmp_path):
     from pipeline.errors import JobError
 
     cp = checkpoint(source, tmp_path / "out")
-    cp.start(FP, "resume")
+    cp.start("resume")
     write_prompts(tmp_path / "in" / "c.parquet", [{"id": 7, "prompt": "p7"}])  # 6 rows listed, 1 left
     with pytest.raises(JobError, match="the input changed while it was read: 13 rows listed, 8 read"):
-        streamed(cp)
+        streamed(cp, source)
     cp.close()

@@ -20,7 +20,7 @@ from typing import Any
 import fsspec
 from matplotlib.figure import Figure
 
-from pipeline.roofline import Roofline
+from pipeline.perf.roofline import Roofline
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Tensor parallelism across processes: the group, its start-up, the per-step broadcast and failures.
+"""Tensor parallelism across processes: rank 0 spawns the workers, drives their steps, notices failures.
 
 Rank 0 is the process that runs the job (scheduling, I/O, sampling). Ranks 1..N-1 are workers that hold
 their shard of the model and replay every step rank 0 runs: rank 0 broadcasts the step's input tensors
@@ -16,54 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import multiprocessing.connection
 import os
 import signal
-import struct
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.errors import JobError
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """The tensor-parallel position of this process. `size == 1` means no communication at all.
-
-    On rank 0 of a multi-process group, `driver` is what sends each step to the workers (a `WorkerPool`
-    or a `TorchrunDriver`); the engine finds it here through the model's `tp`.
-    """
-
-    rank: int = 0
-    size: int = 1
-    driver: StepDriver | None = field(default=None, compare=False, repr=False)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x)
-        return x
-
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's slice along the last dimension (used for vocab-parallel logits)."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
-
-
-SINGLE = TPGroup()
+from pipeline.parallel.group import TPGroup
+from pipeline.parallel.wire import OP_STEP, OP_STOP, StepChannel, T, WorkerSpec, run_worker
 
 
 class WorkerFailed(JobError):
@@ -74,9 +43,6 @@ class WorkerFailed(JobError):
         super().__init__(message)
         self.rank = rank
 
-
-# ----------------------------------------------------------------------------------------------------
-# Placement: backend, device, threads
 
 
 def cpu_cores() -> int:
@@ -97,188 +63,6 @@ def backend_for(device: str) -> str:
 def rank_device(device: str, local_rank: int) -> str:
     """Each rank on a CUDA machine gets its own GPU; on CPU every rank shares `cpu`."""
     return f"cuda:{local_rank}" if torch.device(device).type == "cuda" else "cpu"
-
-
-# ----------------------------------------------------------------------------------------------------
-# torchrun
-
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    """What `torchrun` tells each process it starts."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> TorchrunEnv | None:
-        """The torchrun environment, or None when this process was not started by a launcher."""
-        env = dict(os.environ) if env is None else env
-        if "RANK" not in env and "WORLD_SIZE" not in env:
-            return None
-        values = {}
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            if key not in env:
-                raise ValueError(f"torchrun environment is incomplete: {key} is not set")
-            values[key] = env[key]
-        try:
-            rank, world, local, port = (
-                int(values[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-            )
-        except ValueError as e:
-            raise ValueError(f"torchrun environment has a non-integer value: {e}") from None
-        if not 0 <= rank < world:
-            raise ValueError(f"torchrun environment: RANK={rank} is outside WORLD_SIZE={world}")
-        return cls(rank, world, local, values["MASTER_ADDR"], port)
-
-
-def join_torchrun(env: TorchrunEnv, device: str, threads: int | None = None, timeout_s: float = 300.0) -> TPGroup:
-    """Join the process group torchrun set up (env:// rendezvous); rank 0's group carries its driver."""
-    device = rank_device(device, env.local_rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    torch.set_num_threads(threads or threads_per_rank(env.world_size))
-    dist.init_process_group(
-        backend_for(device), init_method="env://", rank=env.rank, world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    if env.rank > 0:
-        return TPGroup(env.rank, env.world_size)
-    return TPGroup(0, env.world_size, driver=TorchrunDriver(TPGroup(0, env.world_size), device))
-
-
-# ----------------------------------------------------------------------------------------------------
-# The per-step broadcast
-
-OP_STOP = 0
-OP_STEP = 1
-
-_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-           torch.float32, torch.float16, torch.bfloat16, torch.float64]
-_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-_HEAD = struct.Struct("<qq")  # op, payload bytes
-
-
-def pack_tensors(tensors: Sequence[torch.Tensor]) -> bytes:
-    """Meta (count, then dtype, ndim, shape per tensor) + each tensor's raw bytes, 8-byte aligned."""
-    meta = [len(tensors)]
-    for t in tensors:
-        if t.dtype not in _DTYPE_CODE:
-            raise TypeError(f"cannot send a {t.dtype} tensor to tensor-parallel workers")
-        meta += [_DTYPE_CODE[t.dtype], t.dim(), *t.shape]
-    out = bytearray(struct.pack(f"<{len(meta)}q", *meta))
-    for t in tensors:
-        out += t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        out += bytes(-len(out) % 8)
-    return bytes(out)
-
-
-def unpack_tensors(buf: torch.Tensor) -> list[torch.Tensor]:
-    """Inverse of `pack_tensors` over a uint8 tensor (on any device); returns views into `buf`."""
-    words = buf.cpu()
-    count = words[:8].view(torch.int64).item()
-    pos, specs = 8, []  # walk the meta words: dtype, ndim, shape per tensor
-    for _ in range(count):
-        code, ndim = words[pos : pos + 16].view(torch.int64).tolist()
-        shape = words[pos + 16 : pos + 16 + 8 * ndim].view(torch.int64).tolist()
-        specs.append((_DTYPES[code], shape))
-        pos += 16 + 8 * ndim
-    tensors = []
-    for dtype, shape in specs:
-        nbytes = math.prod(shape) * dtype.itemsize
-        tensors.append(buf[pos : pos + nbytes].view(dtype).view(shape))
-        pos += nbytes + (-nbytes % 8)
-    return tensors
-
-
-class StepChannel:
-    """Rank 0 broadcasts (op, tensors) to every worker.
-
-    One fixed-size broadcast carries the header and, when it fits, the whole payload (a decode step of
-    dozens of sequences is a few KiB); a larger payload follows in a second broadcast. On loopback gloo a
-    call costs ~0.5 ms whatever its size up to tens of KiB, so fewer calls beat smaller ones.
-    """
-
-    def __init__(self, group: TPGroup, device: str = "cpu", capacity: int = 64 * 1024):
-        self.group = group
-        self.device = torch.device(device)
-        self.capacity = capacity
-        self._buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-
-    def send(self, op: int, tensors: Sequence[torch.Tensor] = ()) -> None:
-        assert self.group.rank == 0, "only rank 0 sends steps"
-        payload = pack_tensors(tensors) if op == OP_STEP else b""
-        message = _HEAD.pack(op, len(payload)) + payload
-        first = torch.frombuffer(bytearray(message[: self.capacity]), dtype=torch.uint8)
-        self._buf[: first.numel()].copy_(first)
-        dist.broadcast(self._buf, src=0)
-        if len(message) > self.capacity:
-            rest = torch.frombuffer(bytearray(message[self.capacity :]), dtype=torch.uint8)
-            dist.broadcast(rest.to(self.device), src=0)
-
-    def recv(self) -> tuple[int, list[torch.Tensor]]:
-        dist.broadcast(self._buf, src=0)
-        op, size = _HEAD.unpack(self._buf[: _HEAD.size].cpu().numpy().tobytes())
-        if op != OP_STEP:
-            return op, []
-        total = _HEAD.size + size
-        if total <= self.capacity:
-            payload = self._buf[_HEAD.size : total].clone()
-        else:
-            rest = torch.empty(total - self.capacity, dtype=torch.uint8, device=self.device)
-            dist.broadcast(rest, src=0)
-            payload = torch.cat([self._buf[_HEAD.size :], rest])
-        return op, unpack_tensors(payload)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Workers
-
-
-class StepExecutor(Protocol):
-    """A worker's half of one step: run the forward pass on these inputs (its outputs are not needed)."""
-
-    def execute(self, inputs: list[torch.Tensor]) -> object: ...
-
-
-class WorkerSpec(Protocol):
-    """Picklable recipe a worker uses to build its executor (model shard, KV cache, runner)."""
-
-    def build(self, group: TPGroup, device: str) -> StepExecutor: ...
-
-
-T = TypeVar("T")
-
-
-class StepDriver(Protocol):
-    """Rank 0's link to the workers: every step's inputs go out before rank 0 runs its own half."""
-
-    def send(self, inputs: Sequence[torch.Tensor]) -> None: ...
-
-    def step(self, inputs: Sequence[torch.Tensor], run: Callable[[], T]) -> T: ...
-
-    def wait_ready(self) -> None: ...
-
-    def close(self, graceful: bool = True) -> None: ...
-
-
-def serve(channel: StepChannel, executor: StepExecutor) -> None:
-    """A worker's loop: replay every step rank 0 broadcasts until it says stop."""
-    while True:
-        op, tensors = channel.recv()
-        if op == OP_STOP:
-            return
-        executor.execute(tensors)
-
-
-def run_worker(group: TPGroup, device: str, spec: WorkerSpec) -> None:
-    """A worker's life after joining the group: build its shard, say ready (barrier), serve steps."""
-    executor = spec.build(group, device)
-    dist.barrier()
-    serve(StepChannel(group, device), executor)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -380,7 +164,7 @@ class WorkerPool:
             if failure is None or failure is e:
                 raise
             raise failure from e
-        self.group = TPGroup(0, size, driver=self)
+        self.group = TPGroup(0, size)
         self.channel = StepChannel(self.group, self.device)
 
     # -- start-up and failure detection --------------------------------------------------------------
@@ -515,26 +299,3 @@ class WorkerPool:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(graceful=exc_type is None)
-
-
-class TorchrunDriver:
-    """Rank 0's driver when `torchrun` started every rank: the launcher watches the processes (it stops
-    all ranks when one fails), so this only broadcasts the steps."""
-
-    def __init__(self, group: TPGroup, device: str):
-        self.channel = StepChannel(group, device)
-
-    def send(self, inputs: Sequence[torch.Tensor]) -> None:
-        self.channel.send(OP_STEP, inputs)
-
-    def step(self, inputs: Sequence[torch.Tensor], run: Callable[[], T]) -> T:
-        self.send(inputs)
-        return run()
-
-    def wait_ready(self) -> None:
-        dist.barrier()
-
-    def close(self, graceful: bool = True) -> None:
-        if graceful:
-            self.channel.send(OP_STOP)
-        dist.destroy_process_group()

@@ -15,6 +15,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from pipeline.model.gguf_format import GGUFFile
+
 # GGUF token types (llama.cpp's llama_token_type): control and user-defined tokens are added tokens.
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
@@ -97,8 +99,6 @@ class Tokenizer:
 
         `metadata` is the file's already parsed key/values, to avoid reading it twice.
         """
-        from pipeline.model.gguf_format import GGUFFile
-
         path = str(path)
         metadata = metadata if metadata is not None else GGUFFile(path).metadata
 

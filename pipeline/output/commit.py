@@ -1,0 +1,54 @@
+"""Committing units: collect each unit's output rows, write its part and ledger record when it is whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.output.lease import LeaseHeld
+from pipeline.output.run_state import RunState
+from pipeline.output.sink import ParquetSink
+from pipeline.plan.units import Unit
+
+
+@dataclass
+class _Open:
+    unit: Unit
+    expected: int
+    rows: list[tuple[int, int, dict]] = field(default_factory=list)  # (position, sample_index, row)
+
+
+class UnitWriter:
+    """Collects each unit's output rows and commits the unit when its last row arrives.
+
+    Rows are sorted by (input position, sample index) before writing, so a part's content does not depend
+    on the order in which the engine finished its rows.
+    """
+
+    def __init__(self, state: RunState, sink: ParquetSink, samples: int) -> None:
+        self.state = state
+        self.sink = sink
+        self.samples = samples
+        self.open: dict[int, _Open] = {}
+        self.committed_units = 0
+        self.rows_written = 0
+
+    def add(self, unit: Unit, position: int, row: dict) -> None:
+        slot = self.open.get(unit.index)
+        if slot is None:
+            slot = self.open[unit.index] = _Open(unit, unit.num_rows * self.samples)
+        slot.rows.append((position, row.get("sample_index", 0), row))
+        if len(slot.rows) == slot.expected:
+            del self.open[unit.index]
+            self._commit(slot)
+
+    def _commit(self, slot: _Open) -> None:
+        lease = self.state.lease
+        if lease.lost:
+            raise LeaseHeld(f"not committing unit {slot.unit.id}: {lease.lost}")
+        slot.rows.sort(key=lambda r: (r[0], r[1]))
+        rows = [r for _, _, r in slot.rows]
+        with self.state.stop.critical():
+            part = self.sink.write_rows(slot.unit.id, rows)
+            self.state.ledger.commit(slot.unit.id, part.name, part.bytes, [r["id"] for r in rows])
+        self.committed_units += 1
+        self.rows_written += part.rows

@@ -1,0 +1,85 @@
+"""The resumable state of one run over one output: which units this run owns, which are still to do.
+
+Why one module: the job should read as "rows in -> engine -> rows out"; the bookkeeping that makes a run
+resumable (shard, lease, manifest, ledger, unit completion) lives here, behind two calls:
+`RunState.start()` before the model loads, and `UnitWriter.add()` for every output row (a unit is
+committed the moment its last row arrives). Which rows to read is `pipeline.plan.rows.rows_to_do`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from pipeline.errors import JobError
+from pipeline.output.lease import Lease
+from pipeline.output.ledger import Ledger
+from pipeline.output.manifest import check_not_a_file, make_manifest, prepare_output
+from pipeline.output.signals import GracefulStop
+from pipeline.plan.units import Unit, WorkPlan, resolve_shard
+
+log = logging.getLogger(__name__)
+
+
+class RunState:
+    """Plan, shard, lease and ledger of one run over one output."""
+
+    def __init__(self, output_path: str, plan: WorkPlan, fingerprint: Mapping[str, Any], *,
+                 num_shards: int | None, shard_index: int | None, lease_timeout_s: float,
+                 stop: GracefulStop) -> None:
+        """`fingerprint`: what determines the output rows (`JobConfig.fingerprint`); with the plan's own
+        numbers it makes the manifest a resume must match."""
+        try:
+            self.num_shards, self.shard_index = resolve_shard(num_shards, shard_index)
+        except ValueError as e:
+            raise JobError(f"invalid config: {e}") from None
+        self.plan = plan
+        self.manifest = make_manifest({**fingerprint, "plan": plan.fingerprint()})
+        self.fs, self.root = url_to_fs(output_path)
+        self.ledger = Ledger(self.fs, self.root)
+        self.stop = stop
+        self.lease = Lease(self.fs, self.root, self.num_shards, self.shard_index, timeout_s=lease_timeout_s,
+                           on_lost=stop.request_stop)
+        self.mine: list[Unit] = []
+        self.todo: list[Unit] = []
+
+    @property
+    def shard_label(self) -> str:
+        return "" if self.num_shards == 1 else f"shard {self.shard_index}/{self.num_shards} "
+
+    def start(self, mode: str) -> str:
+        """Take the lease, check the output against the manifest, find the units still to do.
+
+        Returns 'complete' (nothing to do: the whole output is done), 'idle' (this shard is done) or 'run'.
+        """
+        check_not_a_file(self.fs, self.root)  # before the lease, which lives inside the output
+        self.lease.acquire()
+        try:
+            state = prepare_output(self.fs, self.root, self.manifest, mode, self.num_shards)
+            if state == "complete":
+                return "complete"
+            self.mine = self.plan.shard_units(self.num_shards, self.shard_index)
+            done = self.ledger.committed()
+            self.todo = [u for u in self.mine if u.id not in done]
+            self.ledger.remove_leftovers(u.id for u in self.todo)
+        except BaseException:
+            self.lease.release()
+            raise
+        log.info("%s%d units (%d rows), %d already committed, %d to do (%d rows)", self.shard_label,
+                 len(self.mine), sum(u.num_rows for u in self.mine), len(self.mine) - len(self.todo),
+                 len(self.todo), self.todo_rows)
+        return "run" if self.todo else "idle"
+
+    @property
+    def todo_rows(self) -> int:
+        return sum(u.num_rows for u in self.todo)
+
+    def finish(self) -> bool:
+        """After this shard's units are all committed: write `_SUCCESS` if every shard's are."""
+        return self.ledger.mark_success([u.id for u in self.plan.units()])
+
+    def close(self) -> None:
+        self.lease.release()

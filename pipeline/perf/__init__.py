@@ -1,0 +1,1 @@
+"""Numbers: roofline arithmetic, the machine probe, progress display and the run report."""

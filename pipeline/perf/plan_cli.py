@@ -1,0 +1,264 @@
+"""`python -m pipeline.plan [conf=job.yaml] [job keys ...] hardware=h100 [hardware.KEY=V] [roofline.KEY=V]`
+
+Prints the roofline arithmetic for the configured job before it runs: weight and KV bytes, the ridge
+point, decode ceilings at batch 1 and at the engine's batch, the largest batch that fits, prefill with and
+without prefix reuse (from a sample of `input.path`), a time estimate and the cost per million tokens.
+
+The job keys are the job's own Hydra config (conf/config.yaml); `hardware=NAME` picks conf/hardware/NAME.yaml
+(`cpu` measures this machine); `roofline.*` are the options of `PlanOptions` below.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from pipeline.errors import JobError
+from pipeline.model.config import ModelConfig
+from pipeline.perf.probe import load_hardware
+from pipeline.perf.roofline import (
+    HardwareProfile,
+    Roofline,
+    cost_per_million_tokens,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    max_batch,
+    precision,
+    prefill_seconds,
+    weight_bytes,
+    weight_read_bytes,
+)
+from pipeline.plan.prefix import unique_prefix_tokens
+
+
+@dataclass
+class PlanOptions:
+    """`roofline.*` keys: what the job config does not say. null = derive from the job config."""
+
+    weights: str | None = None  # weight precision (fp32, bf16, int8, int4-g32, q4_1, ...); null = model.dtype
+    kv_dtype: str | None = None  # null = model.dtype
+    compute_dtype: str | None = None  # activations / matmul dtype; null = model.dtype
+    batch: int | None = None  # null = engine.max_batch_size
+    context: int | None = None  # positions a decode step attends; null = sample's mean prompt + max_tokens/2
+    tp: int = 1
+    sample_rows: int = 1000  # rows of input.path tokenized for the prefix-sharing estimate (0 = none)
+    api_price: float | None = None  # an API's price per million tokens, printed beside our cost
+    json: bool = False  # print the figures as JSON instead of a table
+
+
+# ---------------------------------------------------------------------------------------- config parsing
+def split_args(argv: list[str]) -> tuple[list[str], str, list[str], list[str]]:
+    """(job arguments, hardware name, hardware.* overrides, roofline.* overrides)."""
+    job, hw_over, opt_over, name = [], [], [], "cpu"
+    for arg in argv:
+        if arg.startswith("hardware="):
+            name = arg.split("=", 1)[1]
+        elif arg.startswith("hardware."):
+            hw_over.append(arg.removeprefix("hardware."))
+        elif arg.startswith("roofline."):
+            opt_over.append(arg.removeprefix("roofline."))
+        else:
+            job.append(arg)
+    return job, name, hw_over, opt_over
+
+
+def load_options(overrides: list[str]) -> PlanOptions:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(PlanOptions), OmegaConf.from_dotlist(overrides))
+        return OmegaConf.to_object(merged)
+    except Exception as e:
+        raise JobError(f"invalid roofline option {overrides}: {e}") from None
+
+
+def compose_job(argv: list[str]):
+    """The job's validated config, composed by Hydra exactly as `python -m pipeline` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import CONF_DIR, hydra_argv, load_job_config
+
+    overrides = hydra_argv(argv)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        try:
+            composed = compose(config_name="config", overrides=overrides)
+        except Exception as e:  # Hydra's own errors name the bad key or value
+            raise JobError(f"invalid config: {e}") from None
+        return load_job_config(composed)
+
+
+# ------------------------------------------------------------------------------------------- the model
+def read_model(path: str | None) -> tuple[ModelConfig, Callable[[], object]]:
+    """ModelConfig from GGUF metadata or config.json alone (no weights read), and a tokenizer loader."""
+    from pipeline.model.loader import default_model_path
+
+    p = Path(path) if path else default_model_path()
+    if p.is_dir():
+        from pipeline.model.hf_file import config_from_hf
+        from pipeline.model.tokenizer import Tokenizer
+
+        config_file = p / "config.json"
+        if not config_file.is_file():
+            raise JobError(f"model.path={p}: no config.json")
+        return config_from_hf(json.loads(config_file.read_text()), config_file), lambda: Tokenizer.from_hf_dir(p)
+    if not p.is_file():
+        raise JobError(f"model.path={p} not found (expected a .gguf file or a Hugging Face directory)")
+    from pipeline.model.gguf_file import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(p)
+    return checkpoint.config, checkpoint.load_tokenizer
+
+
+def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[list[int]], int]:
+    """Token ids of the first `rows` runnable rows of the input (as the job builds them), and the row count."""
+    from pipeline.source.files import ParquetSource
+    from pipeline.source.prompts import PromptBuilder
+
+    source = ParquetSource(job.input.path)
+    builder = PromptBuilder(tokenizer, job.input, job.sampling, max_model_len)
+    columns = [c for c in (job.input.prompt_column, job.input.messages_column, *job.input.sampling_columns) if c]
+    seqs: list[list[int]] = []
+    for _, _, batch in source.batches(columns, min(rows, job.input.batch_rows)):
+        for row in batch.to_pylist():
+            prepared = builder.prepare(row)
+            if prepared.token_ids is not None:
+                seqs.append(prepared.token_ids)
+            if len(seqs) >= rows:
+                return seqs, source.total_rows
+    return seqs, source.total_rows
+
+
+# ------------------------------------------------------------------------------------------ the figures
+def plan_figures(
+    cfg: ModelConfig, hw: HardwareProfile, opts: PlanOptions, *, model_dtype: str, batch: int,
+    max_tokens: int, kv_budget: int, chunk_tokens: int, prompts: list[list[int]] | None = None,
+    total_rows: int | None = None,
+) -> dict:
+    """Every number the table shows, as plain data."""
+    dtype = precision(model_dtype).name
+    roof = Roofline.of(cfg, hw, dtype, opts.weights, opts.kv_dtype, opts.compute_dtype, opts.tp)
+    batch = opts.batch if opts.batch is not None else batch
+    mean_prompt = sum(map(len, prompts)) / len(prompts) if prompts else None
+    # a decode step attends on average over the prompt and half the output; memory must hold all of it
+    prompt = mean_prompt or 512
+    context = opts.context if opts.context is not None else int(prompt + max_tokens / 2)
+    full = max(1, opts.context if opts.context is not None else int(prompt + max_tokens))
+    one, many = roof.ceiling(1, context), roof.ceiling(batch, context)
+    kv_token = kv_bytes_per_token(cfg, roof.kv_dtype)
+    out = {
+        "model": {"parameters": cfg.num_parameters(), "layers": cfg.num_layers, "heads": cfg.num_heads,
+                  "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim},
+        "hardware": {"name": hw.name, "bandwidth_bytes_s": roof.bandwidth, "peak_flops": roof.peak,
+                     "compute_dtype": roof.compute_dtype, "memory_bytes": hw.memory * opts.tp, "tp": opts.tp},
+        "weights": {"precision": roof.weights.name, "bits_per_weight": roof.weights.bits_per_weight,
+                    "stored_bytes": weight_bytes(cfg, roof.weights),
+                    "read_per_step_bytes": weight_read_bytes(cfg, roof.weights)},
+        "ridge_flop_per_byte": roof.ridge,
+        "kv": {"dtype": roof.kv_dtype, "bytes_per_token": kv_token, "context": context, "sequence_len": full,
+               "bytes_per_sequence": kv_bytes_per_sequence(cfg, full, roof.kv_dtype)},
+        "max_batch": {"device_memory": max_batch(cfg, roof.weights, full, hw.memory * opts.tp, roof.kv_dtype),
+                      "engine_kv_budget": int(kv_budget // (kv_token * full))},
+        "decode": [
+            {"batch": c.batch, "tokens_per_s": c.tokens_per_s, "bound": c.bound, "intensity": c.intensity,
+             "bandwidth_bound": c.bandwidth_bound, "compute_bound": c.compute_bound}
+            for c in (one, many)
+        ],
+    }
+    if prompts:
+        plain, shared = sum(map(len, prompts)), unique_prefix_tokens(prompts)
+        prefill = {
+            "sample_rows": len(prompts), "mean_prompt_tokens": mean_prompt,
+            "tokens_without_reuse": plain, "tokens_with_reuse": shared, "saved_fraction": 1 - shared / plain,
+        }
+        rows = total_rows or len(prompts)
+        scale = rows / len(prompts)
+        prompt_len = max(1, round(mean_prompt))
+        prefill_s = prefill_seconds(cfg, hw, roof.weights, round(shared * scale), prompt_len, chunk_tokens,
+                                    roof.compute_dtype, roof.kv_dtype, opts.tp)
+        decode_s = rows * max_tokens / many.tokens_per_s
+        out["prefill"] = prefill
+        out["estimate"] = {"rows": rows, "prefill_s": prefill_s, "decode_s": decode_s,
+                           "max_output_tokens": rows * max_tokens}
+    if hw.price_per_hour is not None:
+        out["cost"] = {"price_per_hour": hw.price_per_hour, "devices": opts.tp,
+                       "per_million_tokens": cost_per_million_tokens(many.tokens_per_s, hw.price_per_hour, opts.tp),
+                       "api_per_million_tokens": opts.api_price}
+    return out
+
+
+def _si(x: float, unit: str) -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def format_table(name: str, f: dict) -> str:
+    """The figures as a two-column table for the terminal."""
+    m, hw, w, kv = f["model"], f["hardware"], f["weights"], f["kv"]
+    rows = [
+        ("model", f"{name}: {m['parameters'] / 1e6:,.1f} M parameters, {m['layers']} layers, "
+                  f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}"),
+        ("hardware", f"{hw['name']} x{hw['tp']}: {_si(hw['bandwidth_bytes_s'], 'B/s')}, "
+                     f"{_si(hw['peak_flops'], 'FLOP/s')} {hw['compute_dtype']}, {_si(hw['memory_bytes'], 'B')}"),
+        ("ridge point", f"{f['ridge_flop_per_byte']:.3g} FLOP/byte"),
+        ("weights", f"{w['precision']} ({w['bits_per_weight']:.3g} bits): {_si(w['stored_bytes'], 'B')} stored, "
+                    f"{_si(w['read_per_step_bytes'], 'B')} read per step"),
+        ("KV cache", f"{kv['dtype']}: {kv['bytes_per_token']:,} B/token, {_si(kv['bytes_per_sequence'], 'B')} "
+                     f"per sequence of {kv['sequence_len']} positions; decode attends over {kv['context']}"),
+        ("max batch", f"{f['max_batch']['device_memory']:,} sequences fit in device memory, "
+                      f"{f['max_batch']['engine_kv_budget']:,} in engine.kv_cache_memory"),
+    ]
+    for d in f["decode"]:
+        rows.append((f"decode batch {d['batch']}",
+                     f"{d['tokens_per_s']:,.1f} tok/s ceiling, {d['bound']}-bound (memory {d['bandwidth_bound']:,.1f}, "
+                     f"compute {d['compute_bound']:,.1f}); {d['intensity']:.3g} FLOP/byte"))
+    if "prefill" in f:
+        p, e = f["prefill"], f["estimate"]
+        rows.append(("prefill (sample)",
+                     f"{p['sample_rows']} rows, mean prompt {p['mean_prompt_tokens']:.1f} tokens: "
+                     f"{p['tokens_without_reuse']:,} tokens without reuse, {p['tokens_with_reuse']:,} with "
+                     f"prefix reuse ({100 * p['saved_fraction']:.1f}% saved)"))
+        rows.append(("job estimate",
+                     f"{e['rows']:,} rows: prefill >= {e['prefill_s']:,.1f} s, decode of up to "
+                     f"{e['max_output_tokens']:,} tokens >= {e['decode_s']:,.1f} s"))
+    if "cost" in f:
+        c = f["cost"]
+        api = "" if c["api_per_million_tokens"] is None else f" (API: {c['api_per_million_tokens']:.3g})"
+        rows.append(("cost", f"{c['per_million_tokens']:.3g} per million generated tokens at "
+                             f"{c['price_per_hour']:.3g}/device-hour x {c['devices']}{api}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str]) -> int:
+    job_args, hw_name, hw_over, opt_over = split_args(argv)
+    try:
+        opts = load_options(opt_over)
+        job = compose_job(job_args)
+        cfg, tokenizer = read_model(job.model.path)
+        cfg.check_tensor_parallel(opts.tp)
+        hw = load_hardware(hw_name, hw_over)
+        from pipeline.engine.config import parse_bytes
+
+        max_len = min(job.engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        prompts, total = (sample_prompts(job, tokenizer(), max_len, opts.sample_rows)
+                          if opts.sample_rows > 0 else (None, None))
+        figures = plan_figures(
+            cfg, hw, opts, model_dtype=job.model.dtype, batch=job.engine.max_batch_size,
+            max_tokens=job.sampling.max_tokens, kv_budget=parse_bytes(job.engine.kv_cache_memory),
+            chunk_tokens=job.engine.max_batched_tokens, prompts=prompts, total_rows=total,
+        )
+    except (JobError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    figures["options"] = asdict(opts)
+    print(json.dumps(figures, indent=2) if opts.json else format_table(job.model.name, figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

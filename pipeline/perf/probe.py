@@ -1,0 +1,135 @@
+"""Measure "this CPU" for the roofline in a few seconds: memory bandwidth and fp32 / bf16 matmul peaks.
+
+Bandwidth is a STREAM-style triad (a = b + s*c over arrays far larger than the caches, 3 arrays moved per
+pass), best of a few passes; a peak is the best of a few square matmuls. Both use torch's current thread
+count, as the engine does. Numbers are noisy on a shared machine: best-of-n reports what the hardware can
+do when it is not disturbed, which is what a ceiling means.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from pipeline.config import CONF_DIR
+from pipeline.errors import JobError
+from pipeline.perf.roofline import HardwareProfile
+
+HARDWARE_DIR = CONF_DIR / "hardware"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    bandwidth: float  # bytes/s
+    flops: dict[str, float]  # "fp32" / "bf16" -> FLOP/s
+    memory: float  # bytes of physical RAM
+    threads: int
+
+
+def best_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Best-of-`reps` wall time after one warm-up call: the least-disturbed run on a shared machine."""
+    fn()  # warm up: page faults, kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """Triad bandwidth in bytes/s over three float32 arrays of `mib` MiB each (reads b, c; writes a)."""
+    n = mib * 2**20 // 4
+    a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
+    seconds = best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+    if not torch.all(a[:: n // 7] == 7.0):  # the triad really ran
+        raise RuntimeError("bandwidth probe computed a wrong triad")
+    return 3 * n * 4 / seconds
+
+
+def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
+    """Dense FLOP/s of an n x n x n `F.linear` in `dtype` (2 n^3 FLOPs): the call the model's layers make.
+
+    On CPUs without native bf16 (AVX2-only), `torch.mm` in bf16 falls back to a path ~20x slower than
+    `F.linear`'s, so measuring the engine's own call matters.
+    """
+    x = torch.randn(n, n).to(dtype)
+    w = torch.randn(n, n).to(dtype)
+    seconds = best_seconds(lambda: F.linear(x, w), reps)
+    return 2 * n**3 / seconds
+
+
+def physical_memory() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def probe(bandwidth_mib: int = 256, matmul_n: int = 1024, reps: int = 5) -> ProbeResult:
+    """Run all measurements (about 1-3 s on a 2-core machine)."""
+    return ProbeResult(
+        bandwidth=measure_bandwidth(bandwidth_mib, reps),
+        flops={
+            "fp32": measure_matmul_peak(torch.float32, matmul_n, reps),
+            "bf16": measure_matmul_peak(torch.bfloat16, matmul_n, reps),
+        },
+        memory=physical_memory(),
+        threads=torch.get_num_threads(),
+    )
+
+
+def fill_hardware_config(cfg: dict, measure: Callable[[], ProbeResult] = probe) -> dict:
+    """Return a `hardware` config dict with its null figures filled from a probe (only when some are null)."""
+    peaks = dict(cfg.get("peak_tflops") or {"fp32": None, "bf16": None})
+    unknown = [k for k, v in peaks.items() if v is None and k not in ("fp32", "bf16")]
+    if unknown:
+        raise ValueError(f"hardware {cfg.get('name')!r}: the probe measures fp32 and bf16 only; set peak_tflops.{unknown[0]}")
+    if None not in (cfg.get("bandwidth_tbs"), cfg.get("memory_gb"), *peaks.values()):
+        return dict(cfg)
+    result = measure()
+    out = dict(cfg)
+    if out.get("bandwidth_tbs") is None:
+        out["bandwidth_tbs"] = result.bandwidth / 1e12
+    if out.get("memory_gb") is None:
+        out["memory_gb"] = result.memory / 1e9
+    out["peak_tflops"] = {k: result.flops[k] / 1e12 if v is None else v for k, v in peaks.items()}
+    return out
+
+
+def hardware_profile(cfg: Mapping[str, Any]) -> HardwareProfile:
+    """A `hardware` config (a conf/hardware/*.yaml mapping) as a profile; with `probe: true` its null
+    figures are measured here first (a few seconds)."""
+    raw = dict(cfg)
+    if raw.pop("probe", False):
+        raw = fill_hardware_config(raw)
+    return HardwareProfile.from_config(raw)
+
+
+def load_hardware(name: str, overrides: Sequence[str] = ()) -> HardwareProfile:
+    """conf/hardware/NAME.yaml with `key=value` overrides (e.g. `price_per_hour=2.5`)."""
+    path = HARDWARE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+        raise JobError(f"unknown hardware={name!r}; available: {', '.join(known)} (conf/hardware/)")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+        return hardware_profile(OmegaConf.to_container(cfg, resolve=True))
+    except Exception as e:  # OmegaConf's and our own messages name the key
+        raise JobError(f"{path} with overrides {list(overrides)}: {e}") from None
+
+
+def main() -> None:
+    """`python -m pipeline.probe`: print this machine's figures."""
+    r = probe()
+    print(f"threads {r.threads}: triad {r.bandwidth / 1e9:.1f} GB/s, fp32 F.linear {r.flops['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"bf16 F.linear {r.flops['bf16'] / 1e9:.1f} GFLOP/s, RAM {r.memory / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()

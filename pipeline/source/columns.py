@@ -1,0 +1,61 @@
+"""Which input columns a job reads, the types each accepts, and the id column's type."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipeline.config import JobConfig
+from pipeline.errors import JobError
+from pipeline.source.files import ColumnSpec, ParquetSource
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    """list<struct<role: string, content: string>>, or JSON text of that list."""
+    if _is_text(t):
+        return True
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+        return False
+    fields = {f.name: f.type for f in t.value_type}
+    return all(_is_text(fields.get(k, pa.null())) for k in ("role", "content"))
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+_SAMPLING_TYPES = {
+    "max_tokens": (_is_number, "an integer"),
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "seed": (_is_number, "an integer"),
+}
+
+
+def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
+    """The columns this job reads, each with the config key that chose it and the types it accepts."""
+    inp = cfg.input
+    if inp.messages_column:
+        prompt = ColumnSpec(inp.messages_column, "input.messages_column", _is_messages,
+                            "list<struct<role: string, content: string>> or JSON text")
+    else:
+        prompt = ColumnSpec(inp.prompt_column, "input.prompt_column", _is_text, "string")
+    specs = [prompt, ColumnSpec(inp.id_column, "input.id_column", lambda t: True, "any", required=False)]
+    specs += [ColumnSpec(c, "input.passthrough_columns", lambda t: True, "any") for c in inp.passthrough_columns]
+    specs += [
+        ColumnSpec(c, "input.sampling_columns", _SAMPLING_TYPES[c][0], _SAMPLING_TYPES[c][1], required=False)
+        for c in inp.sampling_columns
+    ]
+    return specs
+
+
+def id_type(source: ParquetSource, column: str, types: dict[str, pa.DataType]) -> pa.DataType | None:
+    """The id column's type, or None when ids are `<file>:<row>`; every file must agree on which."""
+    having = [s.name for s in source.files if column in s.schema.names]
+    if having and len(having) < len(source.files):
+        lacking = next(s.name for s in source.files if column not in s.schema.names)
+        raise JobError(f"{lacking}: no id column {column!r} (input.id_column) although {having[0]} has one")
+    return types[column] if having else None
