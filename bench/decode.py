@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.generate import SequenceCaches
-from pipeline.model.attention import ContiguousKVCache
-from pipeline.model.loader import LoadedModel, load_model
-from pipeline.perf.probe import best_seconds
+import torch  # noqa: E402
+
+from pipeline.model.loader import LoadedModel, load_model  # noqa: E402
+from pipeline.perf.probe import best_seconds  # noqa: E402
+from tests.reference import ContiguousKVCache, SequenceCaches  # noqa: E402  (the plain contiguous caches)
 
 
 @torch.inference_mode()

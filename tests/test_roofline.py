@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.model.attention import ContiguousKVCache
+from tests.reference import ContiguousKVCache
 from pipeline.model.config import ModelConfig
 from pipeline.model.llama import LlamaModel
 from pipeline.perf.probe import ProbeResult, fill_hardware_config, measure_bandwidth, measure_matmul_peak

@@ -1,8 +1,7 @@
-"""The one attention interface the model calls, and a contiguous-cache implementation.
+"""The one attention interface the model calls, and the plain causal attention of one sequence.
 
-The model computes q/k/v and applies RoPE; where keys and values live (a contiguous per-sequence
-cache here, the engine's paged block pool elsewhere) is the backend's business. Every backend
-ends in `causal_attention` for one sequence, so they agree numerically.
+The model computes q/k/v and applies RoPE; where keys and values live (the engine's paged block pool,
+or the tests' contiguous per-sequence cache in tests/reference.py) is the backend's business.
 """
 
 from __future__ import annotations
@@ -41,18 +40,3 @@ def causal_attention(
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, group*n, D]
     return out.reshape(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
-
-
-class ContiguousKVCache:
-    """KV cache of a single sequence in growing per-layer tensors: for plain generation and tests."""
-
-    def __init__(self, num_layers: int, scale: float):
-        self.scale = scale
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        start = 0 if self.k[layer] is None else self.k[layer].shape[0]
-        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
-        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
-        return causal_attention(q, self.k[layer], self.v[layer], start, self.scale)

@@ -16,8 +16,8 @@ import torch
 from pipeline.config import load_job_config
 from pipeline.errors import JobError
 from pipeline.job import run
-from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.loader import load_model
+from tests.reference import greedy, prompt_logits
 from tests.test_config import compose_job
 
 FAST = ("engine.kv_cache_memory=16MiB", "sampling.max_tokens=4", "progress.mode=off")
@@ -47,20 +47,6 @@ def tiny_loaded(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def greedy_reference(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Plain greedy decoding: the whole sequence through the model each step, no paging, no batching."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            attn = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
-            hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), attn)
-            token = int(loaded.model.compute_logits(hidden[-1:]).argmax(-1))
-            ids.append(token)
-            if token in loaded.tokenizer.eos_token_ids:
-                break
-    return ids[len(prompt_ids):]
-
-
 def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, caplog):
     n_rows = write_shards(tmp_path / "in")
     out, stdout = tmp_path / "out", io.StringIO()
@@ -82,7 +68,7 @@ def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, 
                                                                                   "what comes next?"}]))
         assert r["prompt_tokens"] == len(prompt)
         if r["id"] in (0, 5):  # results are matched back to the right row
-            assert r["token_ids"] == greedy_reference(tiny_loaded, prompt, 4)
+            assert r["token_ids"] == greedy(tiny_loaded.model, prompt, 4, tiny_loaded.tokenizer.eos_token_ids)
 
     parts = sorted(out.glob("part-*.parquet"))
     assert len(parts) == 1  # 7 rows < output.rows_per_part
@@ -224,10 +210,8 @@ def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
         for token, step in zip(r["token_ids"], steps):
             assert max(step, key=step.get) == token  # greedy picks the most likely token
         prompt = tiny_loaded.tokenizer.encode(["Tell me a story.", "Count to three."][r["id"] - 1])
-        with torch.no_grad():  # the first step against a plain forward pass
-            attn = ContiguousKVCache(tiny_loaded.config.num_layers, tiny_loaded.model.scale)
-            hidden = tiny_loaded.model(torch.tensor(prompt), torch.arange(len(prompt)), attn)
-            ref = torch.log_softmax(tiny_loaded.model.compute_logits(hidden[-1:])[0], -1).topk(3)
+        # the first step against a plain forward pass
+        ref = torch.log_softmax(prompt_logits(tiny_loaded.model, prompt)[-1], -1).topk(3)
         assert sorted(steps[0]) == sorted(ref.indices.tolist())
         assert [steps[0][i] for i in ref.indices.tolist()] == pytest.approx(ref.values.tolist(), abs=1e-4)
 
@@ -247,7 +231,7 @@ def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, 
     tok = quantized.tokenizer
     row = df.row(0, named=True)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Question number 0: what comes next?"}]))
-    assert row["token_ids"] == greedy_reference(quantized, prompt, 4)
+    assert row["token_ids"] == greedy(quantized.model, prompt, 4, quantized.tokenizer.eos_token_ids)
 
 
 def test_gguf_quant_needs_a_gguf_file(tmp_path, tiny_model_dir):

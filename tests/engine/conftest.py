@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.config import ModelConfig
 from pipeline.model.llama import LlamaModel
 
@@ -67,23 +66,6 @@ def build_tiny(seed: int = 0, dtype: torch.dtype = torch.float32, vocab: int = 1
 @pytest.fixture(scope="session")
 def tiny() -> TinyLoaded:
     return build_tiny()
-
-
-def reference_greedy(model: LlamaModel, prompt: list[int], max_tokens: int, eos: int | None = EOS) -> list[int]:
-    """Plain single-sequence greedy decoding with the model's contiguous cache (independent of the engine)."""
-    cache = ContiguousKVCache(model.config.num_layers, model.scale)
-    out: list[int] = []
-    ids = list(prompt)
-    pos = 0
-    for _ in range(max_tokens):
-        hidden = model(torch.tensor(ids), torch.arange(pos, pos + len(ids)), cache)
-        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
-        out.append(token)
-        if token == eos:
-            break
-        pos += len(ids)
-        ids = [token]
-    return out
 
 
 def random_prompts(count: int, lo: int, hi: int, seed: int = 0, vocab: int = 128) -> list[list[int]]:

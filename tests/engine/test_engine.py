@@ -13,7 +13,8 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.sequence import sample_seed
-from tests.engine.conftest import CharTokenizer, TinyLoaded, random_prompts, reference_greedy
+from tests.engine.conftest import EOS, CharTokenizer, TinyLoaded, random_prompts
+from tests.reference import Decoded, assert_only_near_ties, gaps_of, greedy, greedy_decode
 
 
 def run(loaded, requests, **config) -> tuple[dict, Engine]:
@@ -23,19 +24,21 @@ def run(loaded, requests, **config) -> tuple[dict, Engine]:
     return results, engine
 
 
+# Float32 rounding differs between a batched paged step and a plain single-sequence pass by ~1e-6 on these
+# logits; a greedy choice may flip only where the reference's top two logits are closer than this.
+NEAR_TIE = 1e-3
+
+
 @pytest.mark.slow
 def test_batch_matches_alone_and_reference(tiny):
     prompts = random_prompts(64, 2, 90, seed=10)
     sp = SamplingParams(max_tokens=12)
     batch, engine = run(tiny, [Request(i, p, sp) for i, p in enumerate(prompts)], max_batched_tokens=300)
     assert engine.stats.mean_running_batch > 16
-    same_alone = same_ref = 0
-    for i, p in enumerate(prompts):
-        alone, _ = run(tiny, [Request(i, p, sp)])
-        same_alone += batch[i, 0].token_ids == alone[i, 0].token_ids
-        same_ref += batch[i, 0].token_ids == reference_greedy(tiny.model, p, 12)
-    assert same_alone >= 0.98 * len(prompts)
-    assert same_ref >= 0.98 * len(prompts)
+    reference = dict(enumerate(greedy_decode(tiny.model, prompts, 12, stop_token_ids=(EOS,))))
+    alone = {i: run(tiny, [Request(i, p, sp)])[0][i, 0].token_ids for i, p in enumerate(prompts)}
+    assert_only_near_ties(reference, {i: batch[i, 0].token_ids for i in range(len(prompts))}, NEAR_TIE)
+    assert_only_near_ties(reference, alone, NEAR_TIE)
 
 
 @pytest.mark.slow
@@ -43,11 +46,11 @@ def test_seeded_sampling_same_alone_and_in_batch(tiny):
     prompts = random_prompts(64, 2, 40, seed=11)
     sps = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i) for i in range(64)]
     batch, _ = run(tiny, [Request(i, p, sps[i]) for i, p in enumerate(prompts)])
-    same = 0
+    # A row draws from its own seeded stream, so only a draw within float rounding (~1e-6) of a token's
+    # cumulative-probability boundary could flip: about 1e-3 chance over these 640 draws. Equal.
     for i, p in enumerate(prompts):
         alone, _ = run(tiny, [Request(i, p, sps[i])])
-        same += batch[i, 0].token_ids == alone[i, 0].token_ids
-    assert same >= 0.98 * len(prompts)
+        assert batch[i, 0].token_ids == alone[i, 0].token_ids, i
 
 
 def test_chunked_prefill_keeps_decodes_running(tiny):
@@ -75,7 +78,7 @@ def test_chunked_prefill_keeps_decodes_running(tiny):
 @pytest.mark.slow
 def test_tight_kv_budget_preempts_and_completes(tiny):
     prompts = random_prompts(200, 4, 24, seed=14)
-    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, float32
     results, engine = run(
         tiny, [Request(i, p, sp) for i, p in enumerate(prompts)],
@@ -84,14 +87,14 @@ def test_tight_kv_budget_preempts_and_completes(tiny):
     assert engine.num_blocks == 8
     assert engine.stats.preemptions > 0
     roomy, _ = run(tiny, [Request(i, p, sp) for i, p in enumerate(prompts)])
-    same = sum(results[i, 0].token_ids == roomy[i, 0].token_ids for i in range(200))
-    assert same >= 0.98 * 200
+    reference = {i: Decoded(roomy[i, 0].token_ids, gaps_of(roomy[i, 0].logprobs)) for i in range(200)}
+    assert_only_near_ties(reference, {i: results[i, 0].token_ids for i in range(200)}, NEAR_TIE)
     assert all(len(results[i, 0].token_ids) == 10 for i in range(200))
 
 
 def test_max_tokens_stop_tokens_and_stop_strings(tiny):
     prompt = random_prompts(1, 10, 10, seed=15)[0]
-    ref = reference_greedy(tiny.model, prompt, 30, eos=None)
+    ref = greedy(tiny.model, prompt, 30)
     res, _ = run(tiny, [Request("a", prompt, SamplingParams(max_tokens=7, ignore_eos=True))])
     assert res["a", 0].token_ids == ref[:7] and res["a", 0].finish_reason == "length"
     stop_token = ref[5]
@@ -109,7 +112,7 @@ def test_max_tokens_stop_tokens_and_stop_strings(tiny):
 
 def test_eos_and_ignore_eos(tiny):
     prompt = random_prompts(1, 12, 12, seed=16)[0]
-    ref = reference_greedy(tiny.model, prompt, 20, eos=None)
+    ref = greedy(tiny.model, prompt, 20)
     eos = ref[3]
     tokenizer = CharTokenizer()
     tokenizer.eos_token_ids = (eos,)
@@ -132,9 +135,9 @@ def test_n_samples_share_prefill_and_match_separate_requests(tiny):
         single = dataclasses.replace(sp, n=1, seed=sample_seed(5, i))
         alone, _ = run(tiny, [Request("s", prompt, single)], prefix_caching=False)
         assert alone["s", 0].token_ids == outs[i]
-    greedy, _ = run(tiny, [Request("g", prompt, SamplingParams(max_tokens=8, n=3, ignore_eos=True))])
-    ref = reference_greedy(tiny.model, prompt, 8, eos=None)
-    assert all(greedy["g", i].token_ids == ref for i in range(3))
+    res, _ = run(tiny, [Request("g", prompt, SamplingParams(max_tokens=8, n=3, ignore_eos=True))])
+    ref = greedy(tiny.model, prompt, 8)
+    assert all(res["g", i].token_ids == ref for i in range(3))
 
 
 def test_invalid_requests_become_error_results(tiny):

@@ -8,7 +8,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model.loader import load_model
-from tests.engine.conftest import reference_greedy
+from tests.reference import greedy
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ def test_greedy_text_and_stop_strings_on_tiny_checkpoint(tiny_model_dir):
     tok = loaded.tokenizer
     questions = ["What is 2 + 2?", "Name a colour.", "Café au lait, s'il vous plaît.", "Write ½ as a decimal."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
-    refs = [reference_greedy(loaded.model, p, 16, eos=None) for p in prompts]
+    refs = [greedy(loaded.model, p, 16) for p in prompts]
     texts = [tok.decode(r) for r in refs]
     stops = [t[len(t) // 2 : len(t) // 2 + 2] for t in texts]
     requests = [Request(i, p, SamplingParams(max_tokens=16, ignore_eos=True)) for i, p in enumerate(prompts)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf.quants import quantize
 
-from pipeline.model.attention import ContiguousKVCache
+from tests.reference import prompt_logits
 from pipeline.model.gguf_file import GGUFCheckpoint, unpermute_qk_rows
 from pipeline.model.gguf_format import GGUFFile
 from pipeline.model.loader import load_model
@@ -194,8 +194,7 @@ def test_loaded_model_matches_transformers(tiny_gguf):
     ids = loaded.tokenizer.encode(
         loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hi 42"}])
     )
-    cache = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
-    ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache))
+    ours = prompt_logits(loaded.model, ids)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     assert (ours - expected).abs().max().item() < 1e-4

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.model.attention import ContiguousKVCache
+from tests.reference import ContiguousKVCache, prompt_logits
 from pipeline.model.loader import load_model
 from tests.tiny_model import build_tiny_checkpoint
 
@@ -40,11 +40,6 @@ IDS = [
 ]
 
 
-def ours_logits(loaded, ids: list[int]) -> torch.Tensor:
-    cache = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
-    return loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache))
-
-
 def reference_logits(directory, ids: list[int]) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -57,13 +52,13 @@ def test_sharded_checkpoint_matches_transformers(tiny_model_dir):
     assert loaded.name == tiny_model_dir.name and loaded.path == str(tiny_model_dir)
     assert loaded.config.architecture == "llama" and not loaded.config.tie_word_embeddings
     torch.testing.assert_close(
-        ours_logits(loaded, IDS), reference_logits(tiny_model_dir, IDS), atol=1e-4, rtol=0
+        prompt_logits(loaded.model, IDS), reference_logits(tiny_model_dir, IDS), atol=1e-4, rtol=0
     )
 
 
 def test_decode_with_cache_equals_full_forward(tiny_model_dir):
     loaded = load_model(tiny_model_dir)
-    full = ours_logits(loaded, IDS)
+    full = prompt_logits(loaded.model, IDS)
     cache = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
     steps = [loaded.model(torch.tensor(IDS[:8]), torch.arange(8), cache)[-1:]]
     for pos in range(8, len(IDS)):
@@ -92,7 +87,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
     directory = build_tiny_checkpoint(tmp_path / variant, seed=2, **VARIANTS[variant])
     loaded = load_model(directory)
     ids = IDS * 4  # 80 positions: past the 64 the llama3 variant was "trained" on
-    torch.testing.assert_close(ours_logits(loaded, ids), reference_logits(directory, ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(prompt_logits(loaded.model, ids), reference_logits(directory, ids), atol=1e-4, rtol=0)
     cfg = loaded.config
     assert cfg.tie_word_embeddings == (variant == "tied") and cfg.attention_bias == (variant == "qwen2")
     if variant == "tied":  # the head is the embedding table itself: stored once, read every step
@@ -108,7 +103,7 @@ def test_bfloat16_load_and_weight_bytes(tiny_model_dir):
     assert bf16.weight_bytes == (cfg.num_parameters() - norms) * 2 + norms * 4
     assert f32.bytes_read_per_token == f32.weight_bytes - cfg.vocab_size * cfg.hidden_size * 4
     assert bf16.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    a, b = ours_logits(f32, IDS), ours_logits(bf16, IDS)
+    a, b = prompt_logits(f32.model, IDS), prompt_logits(bf16.model, IDS)
     assert (a - b).abs().max() < 0.05 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 

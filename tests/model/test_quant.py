@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from pipeline.model.attention import ContiguousKVCache
+from tests.reference import prompt_logits
 from pipeline.model.layers import ParallelLinear
 from pipeline.model.loader import load_model
 from pipeline.model.quant import (
@@ -96,12 +96,6 @@ def test_tensor_parallel_shards_reassemble(scheme):
     assert (partial - full).abs().max().item() <= 1e-4
 
 
-def _logits(loaded, ids):
-    m = loaded.model
-    hidden = m(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(m.config.num_layers, m.scale))
-    return m.compute_logits(hidden)
-
-
 @pytest.fixture(scope="module")
 def tiny_float(tiny_model_dir):
     return load_model(tiny_model_dir)
@@ -112,11 +106,11 @@ IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
 
 @pytest.mark.parametrize("scheme,group,rel", [("int8", 32, 0.02), ("int4", 32, 0.12), ("int4", 128, 0.15)])
 def test_quantized_tiny_model_close_to_float(tiny_model_dir, tiny_float, scheme, group, rel):
-    ref = _logits(tiny_float, IDS)
+    ref = prompt_logits(tiny_float.model, IDS)
     q = load_model(tiny_model_dir, quant=scheme, quant_group_size=group)
     lin = q.model.layers[0].mlp.down_proj
     assert isinstance(lin, QuantLinear) and lin.bits == (8 if scheme == "int8" else 4)
-    out = _logits(q, IDS)
+    out = prompt_logits(q.model, IDS)
     err = (out - ref).norm() / ref.norm()
     assert err < rel
     assert q.weight_bytes < tiny_float.weight_bytes
@@ -129,7 +123,7 @@ def test_swap_after_loading_equals_quantized_loading(tiny_model_dir, tiny_float)
     for a, b in zip(loaded.model.modules(), swapped.model.modules()):
         if isinstance(a, QuantLinear):
             assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
-    assert torch.equal(_logits(loaded, IDS), _logits(swapped, IDS))
+    assert torch.equal(prompt_logits(loaded.model, IDS), prompt_logits(swapped.model, IDS))
 
 
 @pytest.mark.parametrize("scheme,rel", [("int4", 0.12), ("int8", 0.02)])
@@ -139,8 +133,8 @@ def test_bfloat16_model_uses_cpu_kernels(tiny_model_dir, tiny_float, scheme, rel
     assert lin.cpu_packed is not None and lin.qweight is None
     with pytest.raises(RuntimeError, match="original layout"):
         lin.dequantize()
-    ref = _logits(tiny_float, IDS)
-    err = (_logits(q, IDS) - ref).norm() / ref.norm()
+    ref = prompt_logits(tiny_float.model, IDS)
+    err = (prompt_logits(q.model, IDS) - ref).norm() / ref.norm()
     assert err < rel
 
 

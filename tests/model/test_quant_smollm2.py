@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.model.attention import ContiguousKVCache
+from tests.reference import prompt_logits
 from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.llama import FUSED_PARTS
 from pipeline.model.loader import load_model
@@ -40,12 +40,7 @@ def test_logits_match_float_path_and_bytes(gguf_model, smollm2_path):
     ref = load_model(smollm2_path)
     ids = gguf_model.tokenizer.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
 
-    def logits(loaded):
-        m = loaded.model
-        cache = ContiguousKVCache(m.config.num_layers, m.scale)
-        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), cache))
-
-    assert (logits(gguf_model) - logits(ref)).abs().max().item() <= 1e-3
+    assert (prompt_logits(gguf_model.model, ids) - prompt_logits(ref.model, ids)).abs().max().item() <= 1e-3
 
     ratio = linear_weight_bytes(gguf_model.model) / linear_weight_bytes(ref.model)
     assert ratio == pytest.approx(5 / 32)  # Q4_1: 32 weights in 16 + 2 + 2 bytes vs 128 bytes of float32

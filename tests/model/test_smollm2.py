@@ -10,10 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.request import SamplingParams
-from pipeline.generate import generate_batch
-from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.loader import load_model
+from tests.reference import greedy_decode, prompt_logits
 
 pytestmark = pytest.mark.slow
 
@@ -96,11 +94,6 @@ def reference_tokens(reference, prompt_ids) -> list[list[int]]:
     return out[:, width:].tolist()
 
 
-def _greedy(model, prompts) -> list[list[int]]:
-    sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    return generate_batch(model, prompts, sampling)
-
-
 def test_config_from_metadata(loaded):
     cfg = loaded.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
@@ -112,10 +105,7 @@ def test_config_from_metadata(loaded):
 def test_final_logits_match_float32(loaded, reference, prompt_ids):
     worst = 0.0
     for ids in prompt_ids:
-        cache = ContiguousKVCache(loaded.config.num_layers, loaded.model.scale)
-        ours = loaded.model.compute_logits(
-            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1:]
-        )[0]
+        ours = prompt_logits(loaded.model, ids)[-1]
         with torch.no_grad():
             ref = reference(torch.tensor([ids])).logits[0, -1].float()
         worst = max(worst, (ours - ref).abs().max().item())
@@ -123,7 +113,7 @@ def test_final_logits_match_float32(loaded, reference, prompt_ids):
 
 
 def test_greedy_tokens_match_float32(loaded, prompt_ids, reference_tokens):
-    ours = _greedy(loaded.model, prompt_ids)
+    ours = [d.tokens for d in greedy_decode(loaded.model, prompt_ids, NEW_TOKENS)]
     same = sum(a == b for a, b in zip(ours, reference_tokens))
     print(f"float32: {same}/{len(PROMPTS)} greedy continuations identical")
     assert len(PROMPTS) >= 32 and same >= len(PROMPTS) - 1, f"{same}/{len(PROMPTS)} identical"
@@ -132,7 +122,7 @@ def test_greedy_tokens_match_float32(loaded, prompt_ids, reference_tokens):
 def test_bfloat16_agreement_rate(smollm2_path, prompt_ids, reference_tokens):
     bf16 = load_model(smollm2_path, dtype=torch.bfloat16)
     # One prompt at a time: torch's CPU bf16 GEMM is several times slower than fp32 once it has many rows.
-    ours = [_greedy(bf16.model, [p])[0] for p in prompt_ids]
+    ours = [greedy_decode(bf16.model, [p], NEW_TOKENS)[0].tokens for p in prompt_ids]
     identical = sum(a == b for a, b in zip(ours, reference_tokens)) / len(PROMPTS)
     matched = [
         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), NEW_TOKENS)

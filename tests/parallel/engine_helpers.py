@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import Runner, RunnerFactory
 from pipeline.parallel.runner import open_model
+from tests.reference import Decoded, gaps_of
 
 
 def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -19,35 +19,17 @@ def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def greedy(loaded, prompts: list[list[int]], max_tokens: int, tensor_parallel: int = 1,
-           make_runner: RunnerFactory = Runner) -> dict[int, tuple]:
-    """id -> (tokens, per-step top-2 logprobs) for greedy decoding of every prompt in one batch."""
+           make_runner: RunnerFactory = Runner) -> dict[int, Decoded]:
+    """id -> (tokens, per-step top-2 gaps) for greedy decoding of every prompt in one batch."""
     config = EngineConfig(kv_cache_memory="64MiB", max_batched_tokens=256, tensor_parallel=tensor_parallel)
     engine = Engine(loaded, config, make_runner)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-    out = {r.id: (r.token_ids, r.logprobs)
+    out = {r.id: Decoded(r.token_ids, gaps_of(r.logprobs))
            for r in engine.generate(Request(i, p, sampling) for i, p in enumerate(prompts))}
-    assert all(len(t) == max_tokens for t, _ in out.values())
+    assert all(len(d.tokens) == max_tokens for d in out.values())
     return out
 
 
-def greedy_tp(path, prompts, max_tokens: int, tensor_parallel: int, **load) -> dict[int, tuple]:
+def greedy_tp(path, prompts, max_tokens: int, tensor_parallel: int, **load) -> dict[int, Decoded]:
     with open_model(path, tensor_parallel=tensor_parallel, **load) as sharded:
         return greedy(sharded.loaded, prompts, max_tokens, tensor_parallel, sharded.make_runner)
-
-
-@dataclass
-class Mismatch:
-    prompt: int
-    step: int
-    gap: float  # reference top-1 minus top-2 logit at the first differing step
-
-
-def mismatches(reference: dict[int, tuple], other: dict[int, tuple]) -> list[Mismatch]:
-    out = []
-    for i, (tokens, logprobs) in reference.items():
-        got = other[i][0]
-        if got != tokens:
-            step = next(s for s, (a, b) in enumerate(zip(tokens, got)) if a != b)
-            top = sorted(logprobs[step].values(), reverse=True)
-            out.append(Mismatch(i, step, top[0] - top[1]))
-    return out

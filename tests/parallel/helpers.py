@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model.attention import ContiguousKVCache
+from tests.reference import ContiguousKVCache
 from pipeline.model.config import ModelConfig
 from pipeline.model.hf_file import config_from_hf
 from pipeline.model.llama import LlamaModel
