@@ -1,4 +1,5 @@
-"""The README's quick-start command, as a user runs it: a subprocess on the real SmolLM2 and data/sample."""
+"""The README's quick-start command, as a user runs it: a subprocess on the real SmolLM2 and data/sample;
+every row comes back once, and the first rows' tokens are the plain greedy decode of their chat prompts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from pipeline.model.loader import load_model
+from tests.reference import assert_only_near_ties, greedy_decode
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -19,15 +23,21 @@ def test_readme_command_on_smollm2(tmp_path, smollm2_path):
     done = subprocess.run(
         [sys.executable, "-m", "pipeline", "input.path=data/sample/*.parquet", f"output.path={out}",
          "model=smollm2-135m", "sampling.max_tokens=4", "sampling.temperature=0", "engine.max_batch_size=64",
-         f"hydra.run.dir={tmp_path}/hydra"],
+         "output.token_ids=true", f"hydra.run.dir={tmp_path}/hydra"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    got = pl.read_parquet(out / "*.parquet")
-    want = pl.read_parquet(REPO / "data/sample/*.parquet")
-    assert sorted(got["id"].to_list()) == sorted(want["id"].to_list())  # every row once, same ids
+    got = pl.read_parquet(out / "*.parquet").sort("id")
+    want = pl.read_parquet(REPO / "data/sample/*.parquet").sort("id")
+    assert got["id"].to_list() == want["id"].to_list()  # every row once, same ids
     assert got["error"].null_count() == len(got) and (got["completion_tokens"] >= 1).all()
-    assert got["text"].str.len_chars().sum() > 0
+    loaded = load_model(smollm2_path)
+    tok = loaded.tokenizer
+    assert got["text"].to_list() == [tok.decode(ids) for ids in got["token_ids"].to_list()]
+    first = want.head(6)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in first["prompt"]]
+    reference = dict(zip(first["id"], greedy_decode(loaded.model, prompts, 4, tok.eos_token_ids)))
+    assert_only_near_ties(reference, dict(zip(got["id"], got["token_ids"].to_list())), epsilon=1e-3)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["rows"] == len(want) and metrics["generated_tokens"] == got["completion_tokens"].sum()
     # stdout is a pipe, not a terminal: plain progress lines, then the summary table

@@ -66,18 +66,88 @@ def test_lru_evicts_least_recently_freed_cached_blocks_last_uncached_first():
     kv = KVCacheManager(4, BS)
     old, new = _seq([1] * 5), _seq([2] * 5, 1)
     _run(kv, old)  # blocks: one full (cached) + one partial (not cached)
+    assert old.block_table == [0, 1]
     kv.release(old)
     _run(kv, new)
+    assert new.block_table == [1, 2]
     kv.release(new)
+    assert list(kv.free) == [2, 3, 0, 1]
     taker = _seq([3] * 4, 2)
-    assert kv.allocate(taker, 4)  # takes a never-cached block first
+    assert kv.allocate(taker, 4) and taker.block_table == [2]  # a never-cached block first
+    assert kv.allocate(taker, 8) and taker.block_table == [2, 3]  # then the other uncached one
     assert kv.evictions == 0
-    assert kv.allocate(taker, 8)  # the second block takes the other uncached one
-    assert kv.evictions == 0
-    assert kv.allocate(taker, 12)  # now a cached block must go: the older one
+    assert kv.allocate(taker, 12) and taker.block_table == [2, 3, 0]  # now a cached one: the older
     assert kv.evictions == 1
     assert kv.match_prefix(_seq([1] * 5, 3)) == []
     assert len(kv.match_prefix(_seq([2] * 5, 4))) == 1
+
+
+def test_blocks_are_handed_out_in_id_order_and_uncached_frees_come_back_first():
+    kv = KVCacheManager(6, BS, prefix_caching=False)
+    a, b = _seq(list(range(1, 10))), _seq([7] * 5, 1)
+    assert kv.allocate(a, 9) and a.block_table == [0, 1, 2]
+    assert kv.allocate(b, 5) and b.block_table == [3, 4]
+    assert list(kv.free) == [5]
+    kv.release(a)  # nothing cached: a's blocks go to the front, its head first
+    assert list(kv.free) == [0, 1, 2, 5]
+    c = _seq([9] * 6, 2)
+    assert kv.allocate(c, 6) and c.block_table == [0, 1]
+    assert kv.ref_count == [1, 1, 0, 1, 1, 0]
+
+
+def test_cached_blocks_queue_at_the_back_tail_first_and_are_evicted_in_that_order():
+    kv = KVCacheManager(8, BS)
+    a = _seq(list(range(1, 10)))  # two full blocks (cached) and one partial (not cached)
+    assert _run(kv, a) == [] and a.block_table == [0, 1, 2]
+    assert kv.hash_of[0] is not None and kv.hash_of[1] is not None and kv.hash_of[2] is None
+    kv.release(a)
+    # The partial block is reusable at once (front); the cached ones queue at the back, the tail before
+    # the head, so a prefix loses its last block first.
+    assert list(kv.free) == [2, 3, 4, 5, 6, 7, 1, 0]
+    filler = _seq([50] * 28, 1)
+    assert kv.allocate(filler, 24) and filler.block_table == [2, 3, 4, 5, 6, 7]
+    assert kv.evictions == 0 and list(kv.free) == [1, 0]
+    assert kv.allocate(filler, 28) and filler.block_table[-1] == 1
+    assert kv.evictions == 1 and kv.hash_of[1] is None and list(kv.free) == [0]
+    assert kv.match_prefix(_seq(list(range(1, 10)), 2)) == [0]  # the head survived its tail
+    kv.release(filler)  # never committed: all uncached, to the front in table order
+    assert list(kv.free) == [2, 3, 4, 5, 6, 7, 1, 0]
+
+
+def test_a_shared_prefix_gets_the_same_block_ids():
+    kv = KVCacheManager(10, BS)
+    first = _seq(list(range(1, 13)) + [90])  # 3 full blocks + 1 token
+    assert _run(kv, first) == [] and first.block_table == [0, 1, 2, 3]
+    second = _seq(list(range(1, 13)) + [91, 92], 1)  # same 3 blocks while `first` still holds them
+    assert _run(kv, second) == [0, 1, 2] and second.block_table == [0, 1, 2, 4]
+    assert kv.ref_count[:5] == [2, 2, 2, 1, 1]
+    branch = _seq(list(range(1, 9)) + [0, 0, 0, 0, 93], 2)  # shares the first 2 blocks, then differs
+    assert _run(kv, branch) == [0, 1] and branch.block_table == [0, 1, 5, 6]
+    assert kv.ref_count[:7] == [3, 3, 2, 1, 1, 1, 1]
+    # The chain, not the block's own tokens, decides: block 2's tokens after a different first block miss.
+    moved = _seq([0, 0, 0, 0] + list(range(5, 13)) + [94], 3)
+    assert kv.match_prefix(moved) == []
+    for seq in (first, second, branch):
+        kv.release(seq)
+    assert kv.is_idle_whole()
+
+
+def test_an_evicted_block_breaks_the_chain_after_it():
+    kv = KVCacheManager(4, BS)
+    a = _seq(list(range(1, 14)))  # 3 full blocks + 1 token: table [0, 1, 2, 3]
+    _run(kv, a)
+    kv.release(a)
+    assert list(kv.free) == [3, 2, 1, 0]
+    taker = _seq([60] * 8, 1)
+    assert kv.allocate(taker, 8) and taker.block_table == [3, 2]  # evicts the chain's last block (2)
+    assert kv.evictions == 1
+    assert kv.match_prefix(_seq(list(range(1, 14)), 2)) == [0, 1]
+    kv.release(taker)  # uncached: back to the front, its head first
+    assert list(kv.free) == [3, 2, 1, 0]
+    # The lost block is recomputed into whichever block comes next, and the chain continues through it.
+    again = _seq(list(range(1, 14)) + [7], 3)
+    assert _run(kv, again) == [0, 1] and again.block_table == [0, 1, 3, 2]
+    assert kv.match_prefix(_seq(list(range(1, 14)), 4)) == [0, 1, 3]
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one():

@@ -101,13 +101,14 @@ def test_shared_blocks_stop_before_each_rows_newest_key(any_saving):
     assert shared_prefixes([[1], [1]], [3, 4], BLOCK) == []
 
 
-def test_a_group_pass_needs_to_save_enough_block_reads():
-    # 5 rows sharing 16 blocks save 4 x 16 = 64 reads: at the floor. 4 rows save 48: plain path.
-    table = list(range(1, 17))
-    five = [table + [100 + i] for i in range(5)]
-    assert runner.MIN_SAVED_BLOCKS == 64
-    assert shared_prefixes(five, [16 * BLOCK + 1] * 5, BLOCK) == [([0, 1, 2, 3, 4], 16)]
-    assert shared_prefixes(five[:4], [16 * BLOCK + 1] * 4, BLOCK) == []
+def test_a_group_pass_needs_to_save_enough_block_reads(monkeypatch):
+    # Reading k shared blocks once for r rows saves (r - 1) x k reads; a group needs MIN_SAVED_BLOCKS.
+    monkeypatch.setattr(runner, "MIN_SAVED_BLOCKS", 12)
+    table = list(range(1, 5))
+    rows = [table + [100 + i] for i in range(4)]
+    assert shared_prefixes(rows, [4 * BLOCK + 1] * 4, BLOCK) == [([0, 1, 2, 3], 4)]  # 3 x 4 = 12: at the floor
+    assert shared_prefixes(rows[:3], [4 * BLOCK + 1] * 3, BLOCK) == []  # 2 x 4 = 8
+    assert shared_prefixes(rows, [3 * BLOCK + 1] * 4, BLOCK) == []  # 3 blocks before the newest keys: 9
 
 
 def test_every_decode_in_a_group(any_saving):
