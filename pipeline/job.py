@@ -27,7 +27,7 @@ from pipeline.output.commit import UnitWriter
 from pipeline.output.run_state import RunState
 from pipeline.output.signals import GracefulStop, Interrupted
 from pipeline.output.sink import ParquetSink, result_schema
-from pipeline.perf.progress import Counters, make_progress, prefill_efficiency, summary
+from pipeline.perf.progress import make_progress, prefill_efficiency, summary
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
@@ -197,7 +197,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         engine = Engine(loaded, cfg.engine, sharded.make_runner)
     except ValueError as e:
         raise JobError(str(e)) from None
-    from pipeline.perf.report import RunRecorder, Snapshot, write_report
+    from pipeline.perf.report import RunRecorder, write_report
 
     roof = None
     if cfg.output.report:
@@ -217,12 +217,10 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     stats = engine.stats
     for result in engine.generate(state.requests()):
         state.accept(result)
-        progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens,
-                                 len(engine.scheduler.running), state.bound.total))
-        recorder.observe(Snapshot.of_engine(engine, state.rows))
-    recorder.observe(Snapshot.of_engine(engine, state.rows), force=True)
-    progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens, 0,
-                             state.bound.total))
+        progress.update(state.rows, stats, state.bound.total)
+        recorder.observe(state.rows, stats)
+    recorder.observe(state.rows, stats, force=True)
+    progress.update(state.rows, stats, state.bound.total)
     progress.close()
     if writer.committed_units < len(run_state.todo):
         if not stop.stopping:  # every row of every unit was admitted: results went missing

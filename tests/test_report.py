@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from pipeline.engine.stats import EngineStats
 from pipeline.model.config import ModelConfig
-from pipeline.perf.report import PLOTS, RunRecorder, Snapshot, render_html, write_report
+from pipeline.perf.report import PLOTS, RunRecorder, render_html, write_report
 from pipeline.perf.roofline import HardwareProfile, Roofline, precision
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -34,18 +36,18 @@ def test_samples_every_interval_with_rates_over_it():
     clock = FakeClock()
     rec = RunRecorder(interval_s=5, clock=clock)
     clock.now += 2
-    assert rec.observe(Snapshot(generated_tokens=10)) is None  # too early
+    assert rec.observe(0, EngineStats(decode_tokens=10)) is None  # too early
     clock.now += 3
-    s = rec.observe(Snapshot(rows_done=3, generated_tokens=100, prefilled_tokens=300, cached_tokens=100,
-                             running_batch=4, kv_blocks_used=9, kv_blocks_total=50))
+    s = rec.observe(3, EngineStats(decode_tokens=100, prefill_tokens=300, cached_tokens=100, running=4,
+                                   kv_blocks_used=9, kv_blocks_total=50))
     assert (s.t, s.generated_tok_s, s.prefilled_tok_s, s.cache_hit_rate) == (5, 20, 60, 0.25)
     assert (s.running_batch, s.kv_blocks_used, s.rows_done) == (4, 9, 3)
     assert s.bytes_per_s is None and s.pct_of_roofline is None  # no roofline given
     clock.now += 1
-    s = rec.observe(Snapshot(rows_done=4, generated_tokens=130, prefilled_tokens=300, cached_tokens=100), force=True)
+    s = rec.observe(4, EngineStats(decode_tokens=130, prefill_tokens=300, cached_tokens=100), force=True)
     assert (s.t, s.generated_tok_s, s.prefilled_tok_s, s.cache_hit_rate) == (6, 30, 0, None)
     clock.now += 1
-    assert rec.observe(Snapshot(rows_done=4, generated_tokens=130, prefilled_tokens=300, cached_tokens=100),
+    assert rec.observe(4, EngineStats(decode_tokens=130, prefill_tokens=300, cached_tokens=100),
                        force=True) is None  # nothing new: no sample
     series = rec.to_json()["series"]
     assert series["t"] == [5, 6] and series["generated_tok_s"] == [20, 30]
@@ -56,17 +58,17 @@ def test_decode_at_the_ceiling_is_100_percent_of_the_roofline():
     ceiling = ROOF.ceiling(batch, context)
     clock = FakeClock()
     rec = RunRecorder(ROOF, interval_s=1, clock=clock)
-    kv = Snapshot(running_batch=batch, kv_blocks_used=batch * context // block, kv_blocks_total=1000)
+    kv = EngineStats(running=batch, kv_blocks_used=batch * context // block, kv_blocks_total=1000, block_size=block)
     clock.now += 1
-    rec.observe(kv, force=True)  # the batch is resident from here on
+    rec.observe(0, kv, force=True)  # the batch is resident from here on
     steps, start = 50, clock.now
     clock.now += steps * batch / ceiling.tokens_per_s  # exactly the time the roofline allows
-    s = rec.observe(Snapshot(**{**kv.__dict__, "steps": steps, "generated_tokens": steps * batch}))
+    s = rec.observe(0, dataclasses.replace(kv, steps=steps, decode_tokens=steps * batch))
     assert s.pct_of_roofline == pytest.approx(100)
     assert s.bytes_per_s == pytest.approx(ceiling.step_bytes * steps / (clock.now - start))
     assert s.flops_per_s / s.bytes_per_s == pytest.approx(ceiling.intensity)
     clock.now += 2 * steps * batch / ceiling.tokens_per_s  # half the speed: half the share
-    s = rec.observe(Snapshot(**{**kv.__dict__, "steps": 2 * steps, "generated_tokens": 2 * steps * batch}))
+    s = rec.observe(0, dataclasses.replace(kv, steps=2 * steps, decode_tokens=2 * steps * batch))
     assert s.pct_of_roofline == pytest.approx(50)
 
 
@@ -75,9 +77,9 @@ def _recorded() -> dict:
     rec = RunRecorder(ROOF, interval_s=1, clock=clock)
     for i in range(1, 8):
         clock.now += 1
-        rec.observe(Snapshot(rows_done=10 * i, steps=20 * i, generated_tokens=600 * i, prefilled_tokens=900 * i,
-                             cached_tokens=300 * i, running_batch=30, kv_blocks_used=100 + 10 * i,
-                             kv_blocks_total=400))
+        rec.observe(10 * i, EngineStats(steps=20 * i, decode_tokens=600 * i, prefill_tokens=900 * i,
+                                        cached_tokens=300 * i, running=30, kv_blocks_used=100 + 10 * i,
+                                        kv_blocks_total=400))
     return rec.to_json()
 
 
@@ -164,12 +166,13 @@ def test_recorder_on_the_real_engine(tiny_model_dir):
         engine.add_request(request)
     while engine.scheduler.has_work():
         rows += len(engine.step())
-        rec.observe(Snapshot.of_engine(engine, rows))
+        rec.observe(rows, engine.stats)
     series = rec.to_json()["series"]
     dts = [b - a for a, b in zip([0.0, *series["t"]], series["t"])]
     assert sum(r * dt for r, dt in zip(series["generated_tok_s"], dts)) == pytest.approx(8 * 6)
     assert sum(r * dt for r, dt in zip(series["prefilled_tok_s"], dts)) == pytest.approx(engine.stats.prefill_tokens)
     assert series["rows_done"][-1] == 8 and max(series["running_batch"]) == 4
+    assert series["running_batch"][-1] == 0 and series["kv_blocks_used"][-1] == 0  # all done, all blocks free
     assert all(0 <= u <= t for u, t in zip(series["kv_blocks_used"], series["kv_blocks_total"]))
     assert any(h for h in series["cache_hit_rate"] if h)  # the shared prefix was served from the cache
     assert all(p > 0 for p in series["pct_of_roofline"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -21,46 +20,7 @@ from pipeline.engine.runner import Runner, RunnerFactory, build_batch, kv_bytes_
 from pipeline.engine.sampler import sample
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
-
-
-@dataclass
-class EngineStats:
-    """Counters of everything the engine did (cumulative over generate calls). Times in seconds."""
-
-    steps: int = 0
-    running_sum: int = 0  # sum over steps of sequences in the batch
-    steady_steps: int = 0  # steps taken while requests were still waiting (the batch could have been full)
-    steady_running_sum: int = 0
-    requests: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests (once per request)
-    cached_tokens: int = 0  # of those, served by the prefix cache at first admission
-    prefill_tokens: int = 0  # prompt positions run through the model (recomputation included)
-    decode_tokens: int = 0  # tokens sampled
-    computed_tokens: int = 0  # all positions run through the model
-    attention_pairs: int = 0  # (query, key) position pairs attended over (per layer and head)
-    preemptions: int = 0
-    evictions: int = 0  # cached blocks dropped to make room
-    held: int = 0  # admissions deferred to let a shared prefix finish first
-    model_time: float = 0.0
-    attention_time: float = 0.0  # part of model_time
-    sampling_time: float = 0.0
-    schedule_time: float = 0.0  # scheduling, batch building and result bookkeeping
-    total_time: float = 0.0
-
-    @property
-    def mean_running_batch(self) -> float:
-        return self.running_sum / self.steps if self.steps else 0.0
-
-    @property
-    def steady_mean_running_batch(self) -> float:
-        return self.steady_running_sum / self.steady_steps if self.steady_steps else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["mean_running_batch"] = self.mean_running_batch
-        out["steady_mean_running_batch"] = self.steady_mean_running_batch
-        return out
+from pipeline.engine.stats import EngineStats
 
 
 class Engine:
@@ -97,6 +57,7 @@ class Engine:
         self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.stats = EngineStats()
+        self._update_gauges()
         self._rng = torch.Generator().manual_seed(config.seed)
         self._next_seq_id = 0
 
@@ -132,6 +93,15 @@ class Engine:
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()
         self.kv.pending_copies = []
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        """The state part of `stats`: kept current after every step."""
+        stats = self.stats
+        stats.running = len(self.scheduler.running)
+        stats.kv_blocks_used = self.kv.num_blocks - self.kv.num_free
+        stats.kv_blocks_total = self.kv.num_blocks
+        stats.block_size = self.config.block_size
 
     def add_request(self, request: Request) -> list[Result]:
         """Queue one request for the next steps; returns its error results if it cannot run (else [])."""
@@ -186,6 +156,7 @@ class Engine:
         stats.sampling_time += t4 - t3
         stats.schedule_time += (t1 - t0) + (t3 - t2) + (t5 - t4)
         stats.total_time += t5 - t0
+        self._update_gauges()
         return finished
 
     # -- requests in ----------------------------------------------------------------------------------

@@ -10,22 +10,11 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TextIO
 
 from tqdm import tqdm
 
-
-@dataclass
-class Counters:
-    """Totals since the start of the run (absolute values, not increments)."""
-
-    rows: int = 0  # input rows finished (written or rejected)
-    prompt_tokens: int = 0  # prompt positions computed by the model
-    cached_tokens: int = 0  # prompt positions served from the prefix cache instead
-    generated_tokens: int = 0
-    running: int = 0  # sequences in the engine's running batch right now
-    lower_bound: int = 0  # least prompt positions any order could compute for the rows sent so far (0: unknown)
+from pipeline.engine.stats import EngineStats
 
 
 def prefill_efficiency(lower_bound: int, computed: int) -> float | None:
@@ -39,29 +28,34 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def rates(c: Counters, elapsed: float) -> str:
+def rates(stats: EngineStats, elapsed: float, lower_bound: int = 0) -> str:
     """`gen 312.4 tok/s | prompt 1024.0 tok/s | cached 35.2% | batch 48`, then `| prefill eff 97.0%` once the
-    prefill lower bound is known (it counts rows sent to the engine, so mid-run it runs ahead)."""
+    prefill lower bound is known (least prompt positions any order could compute for the rows sent so far;
+    it counts rows sent to the engine, so mid-run it runs ahead). "prompt" counts computed positions."""
     elapsed = max(elapsed, 1e-9)
-    seen = c.prompt_tokens + c.cached_tokens
-    cached = 100.0 * c.cached_tokens / seen if seen else 0.0
-    line = (f"gen {c.generated_tokens / elapsed:.1f} tok/s | prompt {c.prompt_tokens / elapsed:.1f} tok/s | "
-            f"cached {cached:.1f}% | batch {c.running}")
-    efficiency = prefill_efficiency(c.lower_bound, c.prompt_tokens)
+    seen = stats.prefill_tokens + stats.cached_tokens
+    cached = 100.0 * stats.cached_tokens / seen if seen else 0.0
+    line = (f"gen {stats.decode_tokens / elapsed:.1f} tok/s | prompt {stats.prefill_tokens / elapsed:.1f} tok/s | "
+            f"cached {cached:.1f}% | batch {stats.running}")
+    efficiency = prefill_efficiency(lower_bound, stats.prefill_tokens)
     return line if efficiency is None else f"{line} | prefill eff {100 * efficiency:.1f}%"
 
 
 class Progress:
-    """Receives the run's counters; shows nothing (progress.mode=off)."""
+    """Receives the run's totals (rows finished, written or rejected; the engine's stats; the prefill lower
+    bound, 0 while unknown); shows nothing (progress.mode=off)."""
 
     def __init__(self, total_rows: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.total_rows = total_rows
         self.clock = clock
         self.start = clock()
-        self.counters = Counters()
+        self.rows, self.stats, self.lower_bound = 0, EngineStats(), 0
 
-    def update(self, counters: Counters) -> None:
-        self.counters = counters
+    def update(self, rows: int, stats: EngineStats, lower_bound: int = 0) -> None:
+        self.rows, self.stats, self.lower_bound = rows, stats, lower_bound
+
+    def rates(self) -> str:
+        return rates(self.stats, self.clock() - self.start, self.lower_bound)
 
     def close(self) -> None:
         pass
@@ -75,13 +69,13 @@ class BarProgress(Progress):
         self.bar = tqdm(total=total_rows, unit="row", file=stream, dynamic_ncols=True, mininterval=0.5,
                         smoothing=0.1)
 
-    def update(self, counters: Counters) -> None:
-        super().update(counters)
-        self.bar.update(counters.rows - self.bar.n)
-        self.bar.set_postfix_str(rates(counters, self.clock() - self.start), refresh=False)
+    def update(self, rows: int, stats: EngineStats, lower_bound: int = 0) -> None:
+        super().update(rows, stats, lower_bound)
+        self.bar.update(rows - self.bar.n)
+        self.bar.set_postfix_str(self.rates(), refresh=False)
 
     def close(self) -> None:
-        self.bar.set_postfix_str(rates(self.counters, self.clock() - self.start), refresh=False)
+        self.bar.set_postfix_str(self.rates(), refresh=False)
         self.bar.close()
 
 
@@ -96,14 +90,14 @@ class LogProgress(Progress):
         self.last = self.start
 
     def line(self) -> str:
-        c, elapsed = self.counters, self.clock() - self.start
-        pct = 100.0 * c.rows / self.total_rows if self.total_rows else 100.0
-        eta = elapsed / c.rows * (self.total_rows - c.rows) if c.rows else None
-        return (f"rows {c.rows}/{self.total_rows} ({pct:.1f}%) | {rates(c, elapsed)} | "
+        rows, elapsed = self.rows, self.clock() - self.start
+        pct = 100.0 * rows / self.total_rows if self.total_rows else 100.0
+        eta = elapsed / rows * (self.total_rows - rows) if rows else None
+        return (f"rows {rows}/{self.total_rows} ({pct:.1f}%) | {rates(self.stats, elapsed, self.lower_bound)} | "
                 f"elapsed {_duration(elapsed)} | eta {_duration(eta) if eta is not None else '?'}")
 
-    def update(self, counters: Counters) -> None:
-        super().update(counters)
+    def update(self, rows: int, stats: EngineStats, lower_bound: int = 0) -> None:
+        super().update(rows, stats, lower_bound)
         now = self.clock()
         if now - self.last >= self.every_s:
             self.last = now

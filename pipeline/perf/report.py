@@ -1,6 +1,6 @@
 """The run's time series (every few seconds) and the report drawn from it: PNG plots and a self-contained HTML.
 
-The job feeds `RunRecorder.observe()` cumulative counters as often as it likes; a sample is kept every
+The job feeds `RunRecorder.observe()` the rows finished and the engine's stats as often as it likes; a sample is kept every
 `interval_s`. Rates are differences between samples. Bytes moved and FLOPs done in an interval are
 estimated from the roofline model of the run (weights read once per step, each step reads the KV of the
 resident blocks), so "% of roofline" = least time the hardware needed for that work / time it took.
@@ -14,44 +14,13 @@ import io
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
 
 import fsspec
 from matplotlib.figure import Figure
 
+from pipeline.engine.stats import EngineStats
 from pipeline.perf.roofline import Roofline
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What the job knows at one moment: running totals plus the current batch and KV usage."""
-
-    rows_done: int = 0
-    steps: int = 0  # model forward passes
-    generated_tokens: int = 0
-    prefilled_tokens: int = 0  # prompt tokens computed
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    running_batch: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    block_size: int = 16
-
-    @classmethod
-    def of_engine(cls, engine: Any, rows_done: int) -> Snapshot:
-        """The counters of a running `pipeline.engine.engine.Engine` (KV blocks in use = not in the free queue)."""
-        stats = engine.stats
-        return cls(
-            rows_done=rows_done,
-            steps=stats.steps,
-            generated_tokens=stats.decode_tokens,
-            prefilled_tokens=stats.prefill_tokens,
-            cached_tokens=stats.cached_tokens,
-            running_batch=len(engine.scheduler.running),
-            kv_blocks_used=engine.num_blocks - engine.kv.num_free,
-            kv_blocks_total=engine.num_blocks,
-            block_size=engine.config.block_size,
-        )
 
 
 @dataclass(frozen=True)
@@ -72,7 +41,7 @@ class Sample:
 
 
 class RunRecorder:
-    """Keeps a sample every `interval_s` seconds of the counters it is shown."""
+    """Keeps a sample every `interval_s` seconds of the totals it is shown."""
 
     def __init__(
         self, roofline: Roofline | None = None, interval_s: float = 5.0,
@@ -85,34 +54,34 @@ class RunRecorder:
         self._clock = clock
         self._t0 = clock()
         self._last_t = self._t0
-        self._last = Snapshot()
+        self._last: tuple[int, EngineStats] = (0, EngineStats())
         self.samples: list[Sample] = []
 
-    def observe(self, counters: Snapshot, force: bool = False) -> Sample | None:
+    def observe(self, rows_done: int, stats: EngineStats, force: bool = False) -> Sample | None:
         """Record a sample when `interval_s` has passed since the last one (or when `force`, e.g. at the end)."""
         now = self._clock()
         dt = now - self._last_t
-        if dt <= 0 or (dt < self.interval_s and not force) or counters == self._last:
+        if dt <= 0 or (dt < self.interval_s and not force) or (rows_done, stats) == self._last:
             return None  # too early, or nothing happened since the last sample
-        prev, self._last, self._last_t = self._last, counters, now
-        generated = counters.generated_tokens - prev.generated_tokens
-        prefilled = counters.prefilled_tokens - prev.prefilled_tokens
-        cached = counters.cached_tokens - prev.cached_tokens
+        (_, prev), self._last, self._last_t = self._last, (rows_done, replace(stats)), now
+        generated = stats.decode_tokens - prev.decode_tokens
+        prefilled = stats.prefill_tokens - prev.prefill_tokens
+        cached = stats.cached_tokens - prev.cached_tokens
         moved = flops = pct = None
         if self.roofline is not None:
-            steps = counters.steps - prev.steps
-            resident = (counters.kv_blocks_used + prev.kv_blocks_used) / 2 * counters.block_size
+            steps = stats.steps - prev.steps
+            resident = (stats.kv_blocks_used + prev.kv_blocks_used) / 2 * stats.block_size
             moved, flops = self.roofline.work(steps, generated + prefilled, steps * resident)
             pct = 100 * self.roofline.seconds(moved, flops) / dt
             moved, flops = moved / dt, flops / dt
         sample = Sample(
             t=now - self._t0,
-            rows_done=counters.rows_done,
+            rows_done=rows_done,
             generated_tok_s=generated / dt,
             prefilled_tok_s=prefilled / dt,
-            running_batch=counters.running_batch,
-            kv_blocks_used=counters.kv_blocks_used,
-            kv_blocks_total=counters.kv_blocks_total,
+            running_batch=stats.running,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
             cache_hit_rate=cached / (cached + prefilled) if cached + prefilled else None,
             bytes_per_s=moved,
             flops_per_s=flops,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 
-from pipeline.perf.progress import BarProgress, Counters, LogProgress, Progress, make_progress, rates, summary
+from pipeline.engine.stats import EngineStats
+from pipeline.perf.progress import BarProgress, LogProgress, Progress, make_progress, rates, summary
 
 
 class Clock:
@@ -21,26 +22,28 @@ class Terminal(io.StringIO):
 
 
 def test_rates_are_totals_over_elapsed_time():
-    c = Counters(rows=3, prompt_tokens=300, cached_tokens=100, generated_tokens=50, running=7)
-    assert rates(c, 10.0) == "gen 5.0 tok/s | prompt 30.0 tok/s | cached 25.0% | batch 7"
-    assert rates(Counters(), 0.0) == "gen 0.0 tok/s | prompt 0.0 tok/s | cached 0.0% | batch 0"
+    stats = EngineStats(prefill_tokens=300, cached_tokens=100, decode_tokens=50, running=7)
+    assert rates(stats, 10.0) == "gen 5.0 tok/s | prompt 30.0 tok/s | cached 25.0% | batch 7"
+    assert rates(stats, 10.0, lower_bound=270) == ("gen 5.0 tok/s | prompt 30.0 tok/s | cached 25.0% | batch 7 | "
+                                                  "prefill eff 90.0%")
+    assert rates(EngineStats(), 0.0) == "gen 0.0 tok/s | prompt 0.0 tok/s | cached 0.0% | batch 0"
 
 
 def test_log_lines_come_every_interval_and_at_the_end():
     clock, lines = Clock(), []
     progress = LogProgress(200, every_s=10, emit=lines.append, clock=clock)
     clock.t += 4
-    progress.update(Counters(rows=10, prompt_tokens=400, generated_tokens=40, running=8))
+    progress.update(10, EngineStats(prefill_tokens=400, decode_tokens=40, running=8))
     assert lines == []  # not yet 10 s
     clock.t += 6
-    progress.update(Counters(rows=50, prompt_tokens=1000, cached_tokens=1000, generated_tokens=200, running=16))
+    progress.update(50, EngineStats(prefill_tokens=1000, cached_tokens=1000, decode_tokens=200, running=16))
     assert lines == ["rows 50/200 (25.0%) | gen 20.0 tok/s | prompt 100.0 tok/s | cached 50.0% | batch 16 | "
                      "elapsed 00:10 | eta 00:30"]
     clock.t += 9
-    progress.update(Counters(rows=60))
+    progress.update(60, EngineStats())
     assert len(lines) == 1  # 9 s since the last line
     clock.t += 71
-    progress.update(Counters(rows=200, prompt_tokens=9000, generated_tokens=1800))
+    progress.update(200, EngineStats(prefill_tokens=9000, decode_tokens=1800))
     progress.close()
     assert lines[1:] == ["rows 200/200 (100.0%) | gen 20.0 tok/s | prompt 100.0 tok/s | cached 0.0% | batch 0 | "
                          "elapsed 01:30 | eta 00:00"] * 2
@@ -50,7 +53,7 @@ def test_bar_shows_rows_and_rates():
     out, clock = io.StringIO(), Clock()
     progress = BarProgress(200, out, clock=clock)
     clock.t += 10
-    progress.update(Counters(rows=120, prompt_tokens=500, cached_tokens=500, generated_tokens=250, running=32))
+    progress.update(120, EngineStats(prefill_tokens=500, cached_tokens=500, decode_tokens=250, running=32))
     progress.close()
     text = out.getvalue()
     assert "120/200" in text and "row" in text

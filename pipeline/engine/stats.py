@@ -1,0 +1,55 @@
+"""The run's one set of counters: what the engine did (cumulative) and where it stands (after its latest
+step). The job's metrics, its progress line and its report's time series all read this one record."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# The state after the engine's latest step, not sums; not part of `as_dict` (metrics.json's "engine").
+GAUGES = ("running", "kv_blocks_used", "kv_blocks_total", "block_size")
+
+
+@dataclass
+class EngineStats:
+    """Counters of everything the engine did (cumulative over generate calls), then the gauges. Times in
+    seconds."""
+
+    steps: int = 0
+    running_sum: int = 0  # sum over steps of sequences in the batch
+    steady_steps: int = 0  # steps taken while requests were still waiting (the batch could have been full)
+    steady_running_sum: int = 0
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (once per request)
+    cached_tokens: int = 0  # of those, served by the prefix cache at first admission
+    prefill_tokens: int = 0  # prompt positions run through the model (recomputation included)
+    decode_tokens: int = 0  # tokens sampled
+    computed_tokens: int = 0  # all positions run through the model
+    attention_pairs: int = 0  # (query, key) position pairs attended over (per layer and head)
+    preemptions: int = 0
+    evictions: int = 0  # cached blocks dropped to make room
+    held: int = 0  # admissions deferred to let a shared prefix finish first
+    model_time: float = 0.0
+    attention_time: float = 0.0  # part of model_time
+    sampling_time: float = 0.0
+    schedule_time: float = 0.0  # scheduling, batch building and result bookkeeping
+    total_time: float = 0.0
+    running: int = 0  # sequences in the running batch
+    kv_blocks_used: int = 0  # KV blocks not in the free queue
+    kv_blocks_total: int = 0
+    block_size: int = 16  # tokens per KV block
+
+    @property
+    def mean_running_batch(self) -> float:
+        return self.running_sum / self.steps if self.steps else 0.0
+
+    @property
+    def steady_mean_running_batch(self) -> float:
+        return self.steady_running_sum / self.steady_steps if self.steady_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in GAUGES}
+        out["mean_running_batch"] = self.mean_running_batch
+        out["steady_mean_running_batch"] = self.steady_mean_running_batch
+        return out
