@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+def read_json(path: Path) -> dict:
+    """A model directory's JSON file (config.json, tokenizer_config.json, ...); errors name the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+
 
 # Weight-only quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py).
 QUANT_SCHEMES = ("none", "int8", "int4", "gguf")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ModelConfig, read_json
 from pipeline.model.tokenizer import Tokenizer
 
 # Hugging Face architectures that are this decoder: name -> (family name, whether q/k/v carry a bias).
@@ -19,15 +18,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", True),
 }
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs {path.name}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from e
 
 
 def config_from_hf(raw: dict, source: Path) -> ModelConfig:
@@ -81,14 +71,14 @@ class HFCheckpoint:
         if not self.path.is_dir():
             raise FileNotFoundError(f"model directory {self.path} not found")
         config_file = self.path / "config.json"
-        self.config = config_from_hf(_read_json(config_file), config_file)
+        self.config = config_from_hf(read_json(config_file), config_file)
         self.name = self.path.name
         self.files = self._weight_files()
 
     def _weight_files(self) -> list[Path]:
         index = self.path / INDEX_FILE
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index}: has no 'weight_map' object")
             files = [self.path / f for f in dict.fromkeys(weight_map.values())]

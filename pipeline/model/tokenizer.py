@@ -15,6 +15,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from pipeline.model.config import read_json
 from pipeline.model.gguf_format import GGUFFile
 
 # GGUF token types (llama.cpp's llama_token_type): control and user-defined tokens are added tokens.
@@ -160,9 +161,8 @@ class Tokenizer:
                 f"{tok_file} not found: a Hugging Face model directory needs tokenizer.json"
             )
         hf = HFTokenizer.from_file(str(tok_file))
-        cfg = _read_json(directory / "tokenizer_config.json")
-        gen = _read_json(directory / "generation_config.json")
-        model_cfg = _read_json(directory / "config.json")
+        cfg, gen, model_cfg = (read_json(f) if f.is_file() else {} for f in (  # all three are optional
+            directory / "tokenizer_config.json", directory / "generation_config.json", directory / "config.json"))
 
         def token_id(value) -> int | None:
             if isinstance(value, dict):
@@ -193,15 +193,6 @@ class Tokenizer:
             eos_token_ids=eos,
             source=str(directory),
         )
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from e
 
 
 def _hf_chat_template(directory: Path, cfg: dict) -> str | None:

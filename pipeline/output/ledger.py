@@ -117,11 +117,6 @@ class Ledger:
         self.fs = fs
         self.root = root.rstrip("/")
 
-    @classmethod
-    def open(cls, url: str, **storage_options: Any) -> Ledger:
-        fs, root = fsspec.core.url_to_fs(url, **storage_options)
-        return cls(fs, root)
-
     def path(self, *names: str) -> str:
         return posixpath.join(self.root, *names)
 

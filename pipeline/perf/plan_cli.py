@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pipeline.errors import JobError
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ModelConfig, read_json
 from pipeline.perf.probe import load_hardware
 from pipeline.perf.roofline import (
     HardwareProfile,
@@ -103,7 +103,7 @@ def read_model(path: str | None) -> tuple[ModelConfig, Callable[[], object]]:
         config_file = p / "config.json"
         if not config_file.is_file():
             raise JobError(f"model.path={p}: no config.json")
-        return config_from_hf(json.loads(config_file.read_text()), config_file), lambda: Tokenizer.from_hf_dir(p)
+        return config_from_hf(read_json(config_file), config_file), lambda: Tokenizer.from_hf_dir(p)
     if not p.is_file():
         raise JobError(f"model.path={p} not found (expected a .gguf file or a Hugging Face directory)")
     from pipeline.model.gguf_file import GGUFCheckpoint

@@ -13,8 +13,6 @@ in one shard except at the num_shards - 1 cut points.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,15 +26,6 @@ class InputFile:
     path: str
     size: int
     num_rows: int
-
-
-@dataclass(frozen=True)
-class Span:
-    """Rows [start, stop) of input file `file_index` (positions inside that file)."""
-
-    file_index: int
-    start: int
-    stop: int
 
 
 @dataclass(frozen=True)
@@ -105,20 +94,6 @@ class WorkPlan:
                 yield Unit(index, window, start, min(start + self.rows_per_part, size))
                 index += 1
 
-    def window_spans(self, window: int) -> list[Span]:
-        """Which file rows make up a window (a window may cross file boundaries)."""
-        lo = window * self.window_rows
-        hi = lo + self.window_size(window)
-        spans, offset = [], 0
-        for i, f in enumerate(self.files):
-            a, b = max(lo, offset), min(hi, offset + f.num_rows)
-            if a < b:
-                spans.append(Span(i, a - offset, b - offset))
-            offset += f.num_rows
-            if offset >= hi:
-                break
-        return spans
-
     def shard_units(self, num_shards: int, shard_index: int) -> list[Unit]:
         """Contiguous, balanced range of units for one shard; the union over all shards is every unit once."""
         check_shard(num_shards, shard_index)
@@ -132,9 +107,6 @@ class WorkPlan:
             "rows_per_part": self.rows_per_part,
             "files": [[f.path, f.size, f.num_rows] for f in self.files],
         }
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def shard_bounds(num_items: int, num_shards: int, shard_index: int) -> tuple[int, int]:

@@ -27,7 +27,7 @@ def commit(ledger: Ledger, unit: str, ids: list[int]):
 
 
 def test_commit_writes_part_then_record(output_url: str) -> None:
-    ledger = Ledger.open(output_url)
+    ledger = Ledger(*fsspec.core.url_to_fs(output_url))
     rec = commit(ledger, "000003", [5, 6, 7])
     assert (rec.unit, rec.part, rec.rows) == ("000003", "part-000003.parquet", 3)
     with ledger.fs.open(ledger.path(rec.part), "rb") as f:
@@ -52,7 +52,7 @@ def test_ids_checksum_matches_an_independent_digest_and_ignores_order() -> None:
 
 
 def test_recommit_overwrites_and_uncommitted_part_is_not_a_result(output_url: str) -> None:
-    ledger = Ledger.open(output_url)
+    ledger = Ledger(*fsspec.core.url_to_fs(output_url))
     ledger.fs.makedirs(ledger.root, exist_ok=True)
     ledger.fs.pipe_file(ledger.path(part_name("000001")), b"garbage from a killed attempt")
     assert ledger.committed() == {}
@@ -73,7 +73,7 @@ def test_recommit_overwrites_and_uncommitted_part_is_not_a_result(output_url: st
     ],
 )
 def test_verify_reports_damaged_parts(output_url: str, damage: str, message: str) -> None:
-    ledger = Ledger.open(output_url)
+    ledger = Ledger(*fsspec.core.url_to_fs(output_url))
     commit(ledger, "000000", [1, 2, 3])
     commit(ledger, "000001", [4, 5, 6])
     path = ledger.path(part_name("000000"))
@@ -94,7 +94,7 @@ def test_verify_reports_damaged_parts(output_url: str, damage: str, message: str
 
 
 def test_verify_flags_units_outside_the_plan_and_unreadable_records(output_url: str) -> None:
-    ledger = Ledger.open(output_url)
+    ledger = Ledger(*fsspec.core.url_to_fs(output_url))
     commit(ledger, "000000", [1])
     commit(ledger, "000009", [2])
     assert any("outside the plan" in e for e in ledger.verify({"000000": 1}).errors)
@@ -105,7 +105,7 @@ def test_verify_flags_units_outside_the_plan_and_unreadable_records(output_url: 
 
 
 def test_success_only_when_every_unit_is_committed(output_url: str) -> None:
-    ledger = Ledger.open(output_url)
+    ledger = Ledger(*fsspec.core.url_to_fs(output_url))
     commit(ledger, "000000", [1])
     assert not ledger.mark_success(["000000", "000001"]) and not ledger.is_complete()
     commit(ledger, "000001", [2])

@@ -14,10 +14,6 @@ def make_plan(rows: list[int], window_rows: int, rows_per_part: int) -> WorkPlan
     return WorkPlan(files, window_rows=window_rows, rows_per_part=rows_per_part)
 
 
-def global_rows(plan: WorkPlan, window: int) -> list[tuple[int, int]]:
-    return [(s.file_index, r) for s in plan.window_spans(window) for r in range(s.start, s.stop)]
-
-
 plans = st.builds(
     make_plan,
     st.lists(st.integers(0, 60), max_size=6),
@@ -29,9 +25,9 @@ plans = st.builds(
 @settings(max_examples=150, deadline=None)
 @given(plans)
 def test_windows_and_units_cover_every_row_once(plan: WorkPlan) -> None:
-    expected = [(i, r) for i, f in enumerate(plan.files) for r in range(f.num_rows)]
-    seen = [row for w in range(plan.num_windows) for row in global_rows(plan, w)]
-    assert seen == expected  # windows tile the input in listing order
+    sizes = [plan.window_size(w) for w in range(plan.num_windows)]
+    assert sum(sizes) == plan.total_rows == sum(f.num_rows for f in plan.files)  # windows tile the input
+    assert all(s == plan.window_rows for s in sizes[:-1]) and all(1 <= s <= plan.window_rows for s in sizes)
     units = list(plan.units())
     assert len(units) == plan.num_units
     assert [u.index for u in units] == list(range(len(units)))
@@ -56,17 +52,16 @@ def test_unit_ids_are_stable_and_depend_only_on_the_listing() -> None:
     a = make_plan([30, 7, 50], window_rows=16, rows_per_part=5)
     b = make_plan([30, 7, 50], window_rows=16, rows_per_part=5)
     assert list(a.units()) == list(b.units())
-    assert a.digest() == b.digest()
+    assert a.fingerprint() == b.fingerprint()
     assert [u.id for u in a.units()][:3] == ["000000", "000001", "000002"]
     grown = WorkPlan(a.files[:2] + (InputFile("in/f2.parquet", 151, 51),), 16, 5)
-    assert grown.digest() != a.digest()
-    assert make_plan([30, 7, 50], window_rows=16, rows_per_part=4).digest() != a.digest()
+    assert grown.fingerprint() != a.fingerprint()
+    assert make_plan([30, 7, 50], window_rows=16, rows_per_part=4).fingerprint() != a.fingerprint()
 
 
 def test_window_crossing_files_and_unit_count_arithmetic() -> None:
     plan = make_plan([3, 4], window_rows=5, rows_per_part=2)
-    assert [(s.file_index, s.start, s.stop) for s in plan.window_spans(0)] == [(0, 0, 3), (1, 0, 2)]
-    assert [(s.file_index, s.start, s.stop) for s in plan.window_spans(1)] == [(1, 2, 4)]
+    assert [plan.window_size(w) for w in range(plan.num_windows)] == [5, 2]  # window 0 crosses the files
     # window 0: 5 rows -> units of 2,2,1; window 1: 2 rows -> one unit
     assert [(u.window, u.start, u.stop) for u in plan.units()] == [(0, 0, 2), (0, 2, 4), (0, 4, 5), (1, 0, 2)]
 
