@@ -3,7 +3,7 @@
 Job-level problems (bad config, unreadable input, missing model) print one `error: ...` line on stderr
 and exit with status 2; Hydra's own composition errors (unknown key, wrong type) exit with status 1.
 An output leased by another live job exits with 73; a run stopped by SIGTERM/SIGINT/SIGUSR1 exits with 75
-after committing what it finished ("run the same command again to resume"; see pipeline/signals.py).
+after committing what it finished ("run the same command again to resume"; see pipeline/output/signals.py).
 """
 
 from __future__ import annotations

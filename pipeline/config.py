@@ -66,13 +66,13 @@ class OutputConfig:
     # our files there first; fail_if_exists: refuse an output that already holds a job.
     mode: str = "resume"
     lease_timeout_s: float = 60.0  # a writer's lease without heartbeat for this long may be taken over
-    report: bool = False  # also write report.html and PNG plots of the run's time series (README: "The numbers")
+    report: bool = False  # also write report.html and PNG plots of the run's time series (docs/roofline.md, "The run report")
     report_interval_s: float = 5.0  # seconds between samples of the time series in metrics.json
 
 
 @dataclass
 class RuntimeConfig:
-    """How this process shares the work and stops (README: "Checkpoints, resume, shards and signals")."""
+    """How this process shares the work and stops (docs/checkpoints.md, docs/scale-out.md)."""
 
     num_shards: int | None = None  # null: SLURM_ARRAY_TASK_COUNT when set, else 1
     shard_index: int | None = None  # null: SLURM_ARRAY_TASK_ID when set, else 0
@@ -92,7 +92,7 @@ class ModelSection:
 
 @dataclass
 class PlanConfig:
-    """How rows are ordered before the engine (README: "Prefix reuse"); changes which rows share a unit."""
+    """How rows are ordered before the engine (docs/prefix-reuse.md); changes which rows share a unit."""
 
     window_rows: int = 10000  # rows tokenized and ordered together (memory bound); the whole input if fewer
     prefix_sort: bool = True  # order each window by token ids so rows sharing a prefix run together

@@ -1,6 +1,6 @@
 """Rows -> prompt tokens: templates, system prompts, truncation, per-row sampling, and error rows.
 
-The reference for rendered prompts is the ChatML format written out by hand (DESIGN.md), encoded by the
+The reference for rendered prompts is the ChatML format written out by hand, encoded by the
 model's tokenizer: the builder must produce exactly those tokens.
 """
 

@@ -48,7 +48,7 @@ def hardware(name: str) -> HardwareProfile:
 H100 = hardware("h100")
 
 
-# ------------------------------------------------------------------------------- the article's figures
+# ---------------------------------------------------- published figures: H100 data sheet, Meta's model cards
 def test_h100_ridge_point_is_about_295_flop_per_byte():
     assert ridge_point(H100, "bf16") == pytest.approx(295, abs=1)
 
@@ -57,13 +57,13 @@ def test_published_model_sizes():
     # Meta's model cards: 70.6 B and 8.03 B parameters
     assert LLAMA_70B.num_parameters() == pytest.approx(70.6e9, rel=0.002)
     assert LLAMA_8B.num_parameters() == pytest.approx(8.03e9, rel=0.002)
-    assert SMOLLM2.num_parameters() == pytest.approx(134.5e6, rel=0.001)  # measured on the GGUF (DESIGN.md)
+    assert SMOLLM2.num_parameters() == pytest.approx(134.5e6, rel=0.001)  # counted on the GGUF's tensors
 
 
 def test_70b_at_8_and_4_bits():
     assert weight_bytes(LLAMA_70B, "int8") == pytest.approx(71e9, rel=0.01)
     assert weight_bytes(LLAMA_70B, "int4") == pytest.approx(35.3e9, rel=0.01)
-    # the article: 3,350 GB/s / 71 GB = 47 tokens/s, 95 at 4 bits. We do not count the untied input
+    # The usual estimate: 3,350 GB/s / 71 GB = 47 tokens/s, 95 at 4 bits. We do not count the untied input
     # embedding (1.05 GB, only gathered a row per token), so our ceilings are 2.6 % higher.
     one8 = decode_ceiling(LLAMA_70B, H100, "int8")
     one4 = decode_ceiling(LLAMA_70B, H100, "int4")

@@ -45,7 +45,7 @@ class EngineConfig:
     device: str = "auto"
     max_waiting: int | None = None
     seed: int = 0  # seeds the generators of requests that carry no seed of their own
-    tensor_parallel: int = 1  # ranks the model is split across (pipeline/engine/tp_runner.py)
+    tensor_parallel: int = 1  # ranks the model is split across (pipeline/parallel/runner.py)
 
     def __post_init__(self) -> None:
         for key in ("block_size", "max_batched_tokens", "max_batch_size", "tensor_parallel"):

@@ -23,7 +23,7 @@ def causal_attention(
     """Attention of one sequence's queries q [n, Hq, D] (positions q_start..q_start+n-1) over its
     keys/values k, v [L, Hkv, D] (positions 0..L-1). Softmax in float32; matmuls in the input dtype.
 
-    A plain matmul-softmax-matmul: on CPU it is several times faster than bf16 SDPA (see DESIGN.md).
+    A plain matmul-softmax-matmul: on CPU it is faster than torch's bf16 SDPA.
     """
     n, hq, d = q.shape
     hkv = k.shape[1]

@@ -5,7 +5,7 @@ Schemes (`model.quant`):
 - int4: asymmetric, one (scale, min) per group of `group_size` inputs, round-to-nearest (W4A16).
 - gguf: the checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks, rearranged but never re-quantized; dequantized
   they equal `gguf.quants.dequantize` bit for bit.
-Embeddings and the LM head stay in the model dtype (see the README, "Quantized weights", for the measured cost).
+Embeddings and the LM head stay in the model dtype (docs/quantization.md gives the measured cost).
 
 Tensor parallelism: each rank keeps exactly its slice of the TP=1 quantized weight. Column-parallel ranks
 quantize their own rows; row-parallel ranks quantize whole rows and slice the inputs, so a rank's inputs

@@ -7,7 +7,7 @@ raised in the main thread (via SIGALRM) so the job can release its lease and exi
 interrupts at once. Commits run inside `critical()`, which defers the interruption until the unit is
 committed, so an interrupt never costs finished work (a kill still cannot corrupt it: see ledger.py).
 
-Exit codes (documented in the README):
+Exit codes (docs/checkpoints.md, "Exit codes"):
 - 0  done: every unit of this shard is committed (or the output was already complete)
 - 75 EX_TEMPFAIL, interrupted: committed work is kept; run the same command again to resume
 - 73 EX_CANTCREAT, the output (or this shard) is leased by another live job
@@ -25,7 +25,6 @@ from types import FrameType
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
 EXIT_LOCKED = 73
 EXIT_INTERRUPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

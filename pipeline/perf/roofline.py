@@ -52,7 +52,7 @@ _FIXED = {
     "float16": Precision("fp16", 16),
     "fp8": Precision("fp8", 8),
     "int8": Precision("int8", 8),  # per-output-channel scales: N values per N*K matrix, ignored
-    "int4": Precision("int4", 4),  # the article's "4 bits": scales ignored
+    "int4": Precision("int4", 4),  # the usual "4 bits per weight": group scales ignored
     # GGUF block formats: 32 weights + fp16 scale (q8_0) or fp16 scale and min (q4_0 has scale only)
     "q8_0": Precision("q8_0", 8, 32, 2),
     "q4_0": Precision("q4_0", 4, 32, 2),

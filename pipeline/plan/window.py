@@ -1,6 +1,6 @@
 """The planned order of one window of input rows, each row carrying its prepared prompt.
 
-Why: `Checkpoint.rows` cuts the input into windows of `plan.window_rows` rows and cuts each window's
+Why: `rows_to_do` (pipeline/plan/rows.py) cuts the input into windows of `plan.window_rows` rows and cuts each window's
 *planned* order into units; this module gives that order. A window is tokenized here once and each row's
 prepared prompt travels with it to the engine, so no row is tokenized twice and memory stays bounded by one
 window. With `plan.prefix_sort` the order is lexicographic by token ids (the depth-first order of the
@@ -26,7 +26,7 @@ class PlannedRow:
 
 
 class WindowPlanner:
-    """`Checkpoint.rows`'s planner: a window's rows -> [(index in the window, PlannedRow)] in planned order."""
+    """`rows_to_do`'s planner: a window's rows -> [(index in the window, PlannedRow)] in planned order."""
 
     def __init__(self, prepare: Callable[[Mapping[str, Any]], Prepared], prefix_sort: bool = True) -> None:
         self.prepare = prepare

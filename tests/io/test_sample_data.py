@@ -1,4 +1,4 @@
-"""data/sample is what data/make_sample.py writes, and has the mix the README promises."""
+"""data/sample is what data/make_sample.py writes, and has the mix docs/running.md promises ("Sample data")."""
 
 from __future__ import annotations
 

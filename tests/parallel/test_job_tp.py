@@ -116,6 +116,6 @@ def test_stop_signal_stops_every_rank(tmp_path, tiny_model_dir, how):
     else:  # a terminal's Ctrl-C reaches the whole foreground process group
         os.killpg(job.proc.pid, signal.SIGINT)
     code, seconds, output = job.finish(timeout=60)
-    assert code == 75, output  # interrupted, committed work kept (pipeline/signals.py)
+    assert code == 75, output  # interrupted, committed work kept (pipeline/output/signals.py)
     assert "Traceback" not in output
     assert_gone(everything)
