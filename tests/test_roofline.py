@@ -9,7 +9,6 @@ import pytest
 import torch
 import yaml
 
-from tests.reference import ContiguousKVCache
 from pipeline.model.config import ModelConfig
 from pipeline.model.llama import LlamaModel
 from pipeline.perf.probe import ProbeResult, fill_hardware_config, measure_bandwidth, measure_matmul_peak
@@ -28,6 +27,7 @@ from pipeline.perf.roofline import (
     weight_bytes,
     weight_read_bytes,
 )
+from tests.reference import ContiguousKVCache
 
 HARDWARE = Path(__file__).resolve().parent.parent / "conf" / "hardware"
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
 def read_json(path: Path) -> dict:
     """A model directory's JSON file (config.json, tokenizer_config.json, ...); errors name the file."""
     if not path.is_file():

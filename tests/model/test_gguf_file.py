@@ -10,10 +10,10 @@ import pytest
 import torch
 from gguf.quants import quantize
 
-from tests.reference import prompt_logits
 from pipeline.model.gguf_file import GGUFCheckpoint, unpermute_qk_rows
 from pipeline.model.gguf_format import GGUFFile
 from pipeline.model.loader import load_model
+from tests.reference import prompt_logits
 from tests.tiny_model import TINY_CONFIG, tiny_state_dict
 
 Q = gguf.GGMLQuantizationType

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.reference import ContiguousKVCache, prompt_logits
 from pipeline.model.loader import load_model
+from tests.reference import ContiguousKVCache, prompt_logits
 from tests.tiny_model import build_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")

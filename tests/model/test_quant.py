@@ -9,7 +9,6 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from tests.reference import prompt_logits
 from pipeline.model.layers import ParallelLinear
 from pipeline.model.loader import load_model
 from pipeline.model.quant import (
@@ -20,6 +19,7 @@ from pipeline.model.quant import (
     quantize_tensor,
 )
 from pipeline.parallel.group import TPGroup
+from tests.reference import prompt_logits
 
 
 def _weights(n, k, seed=0):

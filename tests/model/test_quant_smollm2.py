@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.reference import prompt_logits
 from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.llama import FUSED_PARTS
 from pipeline.model.loader import load_model
 from pipeline.model.quant import QuantLinear, linear_weight_bytes
+from tests.reference import prompt_logits
 
 pytestmark = pytest.mark.slow
 
