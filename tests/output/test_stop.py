@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pipeline.output.verify import verify_output
-from tests.checkpoint.jobs import read_output, wait_for, write_prompts
+from tests.output.jobs import read_output, wait_for, write_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ class JobRunner:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.checkpoint.zygote"], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.output.zygote"], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lock = threading.Lock()
         self.count = 0

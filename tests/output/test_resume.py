@@ -1,6 +1,6 @@
 """Whole runs killed at seeded points and resumed: the output equals an uninterrupted run, row for row.
 
-Each run is a real `python -m pipeline` process (forked from a preloaded parent, tests/checkpoint/zygote.py)
+Each run is a real `python -m pipeline` process (forked from a preloaded parent, tests/output/zygote.py)
 on the tiny random model, 48 rows in 24 units of 2. Kills are SIGKILLs from inside the process at named
 fault points (pipeline/faults.py), so a kill lands exactly between a part and its ledger record, in the
 middle of a ledger write, while the engine is prefilling or decoding other rows, etc.
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from pipeline.output.verify import verify_output
-from tests.checkpoint.jobs import REPO, read_output
+from tests.output.jobs import REPO, read_output
 
 pytestmark = pytest.mark.slow
 

@@ -47,7 +47,7 @@ def test_write_part_is_zstd_parquet_with_metadata(tmp_path):
 
 
 def test_finish_writes_metrics(tmp_path):
-    # `_SUCCESS` is the ledger's (tests/checkpoint): written only once every unit is committed.
+    # `_SUCCESS` is the ledger's (tests/output): written only once every unit is committed.
     sink = sink_at(str(tmp_path))
     sink.finish({"rows": 5})
     sink.finish({"rows": 2}, name="metrics-shard-00001-of-00002.json")

@@ -14,7 +14,7 @@ import pytest
 from pipeline.model.hf_file import config_from_hf
 from pipeline.perf.plan_cli import main, split_args
 from pipeline.perf.roofline import decode_ceiling, kv_bytes_per_token
-from tests.test_roofline import H100
+from tests.perf.test_roofline import H100
 
 PROMPTS = ["What is 2+2?", "What is the capital of France?", "What is 2+3?", "Name a colour.",
            "What is the capital of Spain?", "What is 2+2?"]

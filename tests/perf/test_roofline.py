@@ -29,7 +29,7 @@ from pipeline.perf.roofline import (
 )
 from tests.reference import ContiguousKVCache
 
-HARDWARE = Path(__file__).resolve().parent.parent / "conf" / "hardware"
+HARDWARE = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 
 LLAMA_70B = ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
                         num_heads=64, num_kv_heads=8, head_dim=128)

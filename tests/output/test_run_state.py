@@ -12,7 +12,7 @@ from pipeline.output.sink import ParquetSink
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, WorkPlan
 from pipeline.source.files import ParquetSource
-from tests.checkpoint.jobs import read_output, write_prompts
+from tests.output.jobs import read_output, write_prompts
 
 FP = {"model": {"path": "m"}}
 

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 
 from pipeline.output.lease import Lease, LeaseHeld
-from tests.checkpoint.jobs import wait_for
+from tests.output.jobs import wait_for
 
 
 def fs_root(url: str):

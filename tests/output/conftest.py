@@ -1,4 +1,4 @@
-"""Fixtures for the checkpoint tests: output filesystems (local, memory://, a real S3 API from moto)."""
+"""Fixtures for the output tests: output filesystems (local, memory://, a real S3 API from moto)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def output_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def job_runner(tmp_path_factory) -> Iterator:
-    """Forks `python -m pipeline` runs from one preloaded process (tests/checkpoint/zygote.py)."""
-    from tests.checkpoint.jobs import JobRunner
+    """Forks `python -m pipeline` runs from one preloaded process (tests/output/zygote.py)."""
+    from tests.output.jobs import JobRunner
 
     runner = JobRunner(tmp_path_factory.mktemp("jobs"))
     yield runner
@@ -85,7 +85,7 @@ TOPICS = ["the sea", "a cat", "rain", "bread", "the moon", "trains", "music", "s
 @pytest.fixture(scope="session")
 def prompts_file(tmp_path_factory):
     """48 prompt rows (int ids) with shared prefixes, as one Parquet file."""
-    from tests.checkpoint.jobs import write_prompts
+    from tests.output.jobs import write_prompts
 
     rows = [{"id": 1000 + i, "prompt": f"Write one line about {TOPICS[i % 8]}, variant {i // 8}."} for i in range(48)]
     return write_prompts(tmp_path_factory.mktemp("input") / "prompts.parquet", rows)
