@@ -2,7 +2,8 @@
 
 Tokens come from our tokenizer for both sides (transformers' GGUF tokenizer lacks the `smollm` digit rule);
 only the network is compared. Greedy decoding of this model meets near-ties (top-2 logits within 0.01) on
-about a fifth of prompts, so exact tokens are asserted in float32 and bfloat16 is judged by agreement rate.
+about a fifth of prompts, so in float32 tokens may differ only at a near-tie (our top-2 logit gap below 0.01
+at the first differing step; final logits agree within 1e-3), and bfloat16 is judged by agreement rate.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.model.loader import load_model
-from tests.reference import greedy_decode, prompt_logits
+from tests.reference import assert_only_near_ties, greedy_decode, mismatches, prompt_logits
 
 pytestmark = pytest.mark.slow
 
@@ -113,10 +114,12 @@ def test_final_logits_match_float32(loaded, reference, prompt_ids):
 
 
 def test_greedy_tokens_match_float32(loaded, prompt_ids, reference_tokens):
-    ours = [d.tokens for d in greedy_decode(loaded.model, prompt_ids, NEW_TOKENS)]
-    same = sum(a == b for a, b in zip(ours, reference_tokens))
-    print(f"float32: {same}/{len(PROMPTS)} greedy continuations identical")
-    assert len(PROMPTS) >= 32 and same >= len(PROMPTS) - 1, f"{same}/{len(PROMPTS)} identical"
+    ours = dict(enumerate(greedy_decode(loaded.model, prompt_ids, NEW_TOKENS)))
+    theirs = dict(enumerate(reference_tokens))
+    differ = mismatches(ours, theirs)
+    print(f"float32: {len(PROMPTS) - len(differ)}/{len(PROMPTS)} greedy continuations identical; "
+          f"differences (prompt, step, gap): {[(m.key, m.step, round(m.gap, 5)) for m in differ]}")
+    assert_only_near_ties(ours, theirs, epsilon=0.01)
 
 
 def test_bfloat16_agreement_rate(smollm2_path, prompt_ids, reference_tokens):

@@ -13,17 +13,18 @@ from pipeline.engine.engine import Engine
 from pipeline.model.loader import load_model
 from pipeline.parallel.runner import open_model
 from tests.parallel.engine_helpers import greedy, greedy_tp, random_prompts
-from tests.reference import mismatches
+from tests.reference import assert_only_near_ties, mismatches
 
 PROMPTS = 32
 
 
 def check_agreement(reference, tp, label: str) -> None:
-    bad = mismatches(reference, {i: d.tokens for i, d in tp.items()})
+    tokens = {i: d.tokens for i, d in tp.items()}
+    bad = mismatches(reference, tokens)
     for m in bad:
         print(f"{label}: prompt {m.key} differs at step {m.step}, reference top-2 logit gap {m.gap:.2e}")
     assert len(bad) <= PROMPTS - 31, [vars(m) for m in bad]
-    assert all(m.gap < 1e-3 for m in bad), [vars(m) for m in bad]
+    assert_only_near_ties(reference, tokens, epsilon=1e-3)
 
 
 @pytest.mark.slow
