@@ -104,25 +104,26 @@ def _decode_kernel(
 
 @triton.jit
 def _prefix_kernel(
-    q_ptr, k_ptr, v_ptr, prefix_tables_ptr, prefix_blocks_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr,
-    o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, prefix_tables_ptr, prefix_blocks_ptr, rows_ptr, tile_group_ptr, tile_row_ptr,
+    tile_end_ptr, o_ptr, lse_ptr,
     scale,
     stride_qb, stride_qh, stride_kh, stride_kb, stride_kt, stride_pt, stride_ob, stride_oh, stride_lb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Queries of up to BLOCK_R rows of one prefix group x the GROUP query heads of KV head h, over the
-    group's shared blocks (all full: every key valid)."""
+    group's shared blocks (all full: every key valid). The tile's batch rows are rows_ptr[first:end]."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     grp = tl.load(tile_group_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    row_end = tl.load(tile_end_ptr + tile)
+    first = tl.load(tile_row_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
     n_blocks = tl.load(prefix_blocks_ptr + grp)
     i = tl.arange(0, BLOCK_R * GROUP_PAD)
-    rows = row0 + i // GROUP_PAD
+    member = first + i // GROUP_PAD
     heads = h * GROUP + i % GROUP_PAD
-    q_ok = (rows < row_end) & (i % GROUP_PAD < GROUP)
+    q_ok = (member < end) & (i % GROUP_PAD < GROUP)
+    rows = tl.load(rows_ptr + member, mask=member < end, other=0)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     t = tl.arange(0, BLOCK_SIZE)
@@ -271,16 +272,17 @@ def paged_decode_partial(
 
 def prefix_decode_partial(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, prefix_tables: torch.Tensor,
-    prefix_blocks: torch.Tensor, tiles: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, scale: float,
-    rows_per_tile: int,
+    prefix_blocks: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, o_part: torch.Tensor,
+    lse_part: torch.Tensor, scale: float, rows_per_tile: int,
 ) -> None:
     """Fill o_part [B, Hq, D] / lse_part [B, Hq] for the rows of each prefix group over the group's shared
-    blocks. prefix_tables [G, P] / prefix_blocks [G]: each group's blocks; tiles [3, T] int: (group, first
-    row, end row) of each tile of at most rows_per_tile rows (see `prefix_tiles`)."""
+    blocks. prefix_tables [G, P] / prefix_blocks [G]: each group's blocks; rows: the groups' batch rows,
+    one group after the other; tiles [3, T]: (group, first, end) of each tile, rows[first:end] being at
+    most rows_per_tile rows of that group (see `prefix_tiles`)."""
     group, block_size, dim = _check_pools(q, k_pool, v_pool)
     hkv = q.shape[1] // group
     _prefix_kernel[(tiles.shape[1], hkv)](
-        q, k_pool, v_pool, prefix_tables, prefix_blocks, tiles[0], tiles[1], tiles[2], o_part, lse_part,
+        q, k_pool, v_pool, prefix_tables, prefix_blocks, rows, tiles[0], tiles[1], tiles[2], o_part, lse_part,
         scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), prefix_tables.stride(0),
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
@@ -294,9 +296,13 @@ def prefix_rows_per_tile(group: int) -> int:
     return max(1, 64 // _pow2(group))
 
 
-def prefix_tiles(groups: list[tuple[int, int]], rows_per_tile: int) -> list[tuple[int, int, int]]:
-    """(group index, first row, end row) tiles covering each group's contiguous rows [lo, hi)."""
-    return [(g, r, min(r + rows_per_tile, hi)) for g, (lo, hi) in enumerate(groups) for r in range(lo, hi, rows_per_tile)]
+def prefix_tiles(group_sizes: list[int], rows_per_tile: int) -> list[tuple[int, int, int]]:
+    """(group index, first, end) tiles over the groups' rows laid out one group after the other."""
+    tiles, lo = [], 0
+    for g, size in enumerate(group_sizes):
+        tiles += [(g, r, min(r + rows_per_tile, lo + size)) for r in range(lo, lo + size, rows_per_tile)]
+        lo += size
+    return tiles
 
 
 def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -89,16 +89,17 @@ def test_decode_bfloat16_pools_read_in_place():
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_shared_prefix_decode_merges_exactly(block_size):
-    """Rows 0-2 share their leading blocks (row 3 is alone): the prefix pass over the shared blocks plus the
-    per-row pass after them, merged, equals plain attention over each row's whole context."""
+    """Rows 0, 2 and 3 share their leading blocks (row 1 is alone): the prefix pass over the shared blocks
+    plus the per-row pass after them, merged, equals plain attention over each row's whole context."""
     hq, hkv = 6, 2
-    lens = [3 * block_size + 5, 2 * block_size + 1, 4 * block_size, 40]
+    lens = [3 * block_size + 5, 40, 2 * block_size + 1, 4 * block_size]
+    members = [0, 2, 3]
     k_pool, v_pool = pools(hkv, block_size, seed=11)
-    tables = random_tables(lens, block_size, seed=7, shared={1: 0, 2: 0})
-    shared_blocks = 2  # full blocks before every member's last key: min(len - 1) // block_size over rows 0-2
+    tables = random_tables(lens, block_size, seed=7, shared={2: 0, 3: 0})
+    shared_blocks = 2  # full blocks before every member's last key: min(len - 1) // block_size
     q = torch.randn(len(lens), hq, DIM, generator=torch.Generator().manual_seed(2))
     ctx = torch.tensor(lens, dtype=torch.int32)
-    start = torch.tensor([shared_blocks] * 3 + [0], dtype=torch.int32)
+    start = torch.tensor([shared_blocks, 0, shared_blocks, shared_blocks], dtype=torch.int32)
     splits = 2
     o_parts = torch.zeros(splits + 1, len(lens), hq, DIM)
     lse_parts = torch.full((splits + 1, len(lens), hq), float("-inf"))
@@ -109,18 +110,18 @@ def test_shared_prefix_decode_merges_exactly(block_size):
     assert (got - own_o).abs().max().item() < TOL
     assert (torch.logsumexp(lse_parts[:splits], 0) - own_lse).abs().max().item() < TOL
     rows_per_tile = 2  # two tiles for the group of three rows: exercises a partial tile
-    tiles = torch.tensor(pa.prefix_tiles([(0, 3)], rows_per_tile), dtype=torch.int32).T.contiguous()
+    tiles = torch.tensor(pa.prefix_tiles([len(members)], rows_per_tile), dtype=torch.int32).T.contiguous()
     prefix_tables = tables[:1, :shared_blocks].contiguous()
     prefix_blocks = torch.tensor([shared_blocks], dtype=torch.int32)
-    pa.prefix_decode_partial(q, k_pool, v_pool, prefix_tables, prefix_blocks, tiles, o_parts[splits],
-                             lse_parts[splits], SCALE, rows_per_tile)
-    for b in range(3):  # the prefix part alone equals attention over the shared keys
+    pa.prefix_decode_partial(q, k_pool, v_pool, prefix_tables, prefix_blocks, torch.tensor(members),
+                             tiles, o_parts[splits], lse_parts[splits], SCALE, rows_per_tile)
+    for b in members:  # the prefix part alone equals attention over the shared keys
         keys = gather_keys(k_pool, tables[0], 0, shared_blocks * block_size)
         values = gather_keys(v_pool, tables[0], 0, shared_blocks * block_size)
         o, lse = attention_part(q[b : b + 1], keys, values, SCALE)
         assert (o_parts[splits, b] - o[0]).abs().max().item() < TOL
         assert (lse_parts[splits, b] - lse[0]).abs().max().item() < TOL
-    assert torch.isneginf(lse_parts[splits, 3]).all()  # row 3 is in no group: untouched
+    assert torch.isneginf(lse_parts[splits, 1]).all()  # row 1 is in no group: untouched
     out = pa.merge_partials(o_parts, lse_parts, torch.empty_like(q))
     ref = paged_decode_reference(q, k_pool, v_pool, tables, ctx, SCALE)
     assert (out - ref).abs().max().item() < TOL
@@ -155,6 +156,10 @@ def test_prefill_equals_reference(block_size, hq, hkv):
     ref = paged_prefill_reference(q, k_pool, v_pool, tables, query_start, ctx, 2, SCALE)
     assert (out - ref).abs().max().item() < TOL
     assert torch.equal(out[:2], torch.zeros_like(out[:2]))  # decode rows are not the prefill kernel's
+
+
+def test_prefix_tiles_cover_each_group_in_order():
+    assert pa.prefix_tiles([3, 1, 4], 2) == [(0, 0, 2), (0, 2, 3), (1, 3, 4), (2, 4, 6), (2, 6, 8)]
 
 
 def test_decode_splits_choice():
