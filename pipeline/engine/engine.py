@@ -66,7 +66,8 @@ class EngineStats:
 class Engine:
     def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner):
         """`make_runner` builds the step executor once the KV pool is sized: the plain `Runner`, or the
-        tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model."""
+        tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model.
+        An unsplit model on CUDA runs on `GpuRunner` (Triton paged attention, CUDA graphs) instead."""
         self.config = config = config or EngineConfig()
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -76,9 +77,9 @@ class Engine:
         if self.device != param.device:
             self.model.to(self.device)
         block_bytes = kv_bytes_per_block(self.model, config.block_size)
-        num_blocks = config.kv_cache_bytes // block_bytes
-        capacity = num_blocks * config.block_size
         max_pos = self.model_config.max_position_embeddings
+        num_blocks = self._kv_bytes(config, block_bytes, max_pos) // block_bytes
+        capacity = num_blocks * config.block_size
         self.max_model_len = config.max_model_len or min(max_pos, capacity)
         if self.max_model_len > max_pos:
             raise ValueError(f"engine.max_model_len={self.max_model_len} exceeds the model's {max_pos} positions")
@@ -94,11 +95,28 @@ class Engine:
                 f"engine.tensor_parallel={config.tensor_parallel} but the model was loaded for {self.model.tp.size} "
                 "rank(s); load it with pipeline.parallel.runner.open_model(..., tensor_parallel=N)"
             )
-        self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
+        if self.device.type == "cuda" and self.model.tp.size == 1:  # Triton attention, CUDA graphs
+            from pipeline.engine.gpu_runner import GpuRunner
+
+            self.runner = GpuRunner(self.model, num_blocks, config.block_size, self.device, config.cuda_graphs,
+                                    config.max_batch_size, self.max_model_len)
+        else:
+            self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(config.seed)
         self._next_seq_id = 0
+
+    def _kv_bytes(self, config: EngineConfig, block_bytes: int, max_pos: int) -> int:
+        """The KV budget: fixed, or on CUDA with kv_cache_memory=auto what free memory allows."""
+        if not (config.kv_cache_auto and self.device.type == "cuda"):
+            return config.kv_cache_bytes
+        from pipeline.engine.memory import kv_cache_budget, measure_activation_peak
+
+        peak = measure_activation_peak(self.model, config.max_batched_tokens, config.max_batch_size, self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        min_blocks = -(-(config.max_model_len or 1) // config.block_size)
+        return kv_cache_budget(total, free, peak, config.gpu_memory_utilization, block_bytes, min_blocks)
 
     @property
     def num_blocks(self) -> int:
