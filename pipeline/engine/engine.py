@@ -7,7 +7,6 @@ parameters, empty or too long prompts, unknown token ids) come back as `finish_r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from pipeline.engine.runner import Runner, RunnerFactory, build_batch, kv_bytes_
 from pipeline.engine.sampler import sample
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
+from pipeline.engine.timing import StepClock
 
 
 @dataclass
@@ -105,6 +105,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(config.seed)
+        self._clock = StepClock(self.device)
         self._next_seq_id = 0
 
     def _kv_bytes(self, config: EngineConfig, block_bytes: int, max_pos: int) -> int:
@@ -161,7 +162,7 @@ class Engine:
 
     def step(self) -> list[Result]:
         """Run one scheduling step; returns the samples that finished in it."""
-        t0 = time.perf_counter()
+        t0 = self._clock.stamp()
         stats = self.stats
         work = self.scheduler.schedule()
         if not work:
@@ -171,10 +172,10 @@ class Engine:
             stats.steady_running_sum += len(work)
         batch, samplers = build_batch(work, self.config.block_size, self.kv.pending_copies)
         self.kv.pending_copies = []
-        t1 = time.perf_counter()
+        t1 = self._clock.stamp()
         attention_before = self.runner.attn.attention_seconds
         logits = self.runner.execute(batch)
-        t2 = time.perf_counter()
+        t2 = self._clock.stamp()
         stats.attention_time += self.runner.attn.attention_seconds - attention_before
         for seq, n in work:
             stats.attention_pairs += n * seq.num_computed + n * (n + 1) // 2
@@ -183,11 +184,11 @@ class Engine:
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
         rows, samplers = self._fork_children(samplers)
-        t3 = time.perf_counter()
+        t3 = self._clock.stamp()
         if len(rows) > logits.shape[0]:  # forked samples share their parent's row
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        sampled = sample(logits, samplers)
-        t4 = time.perf_counter()
+        sampled = sample(logits, samplers)  # copies the sampled ids to the host: the step's one sync
+        t4 = self._clock.stamp()
         finished = []
         for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
             if self._append(seq, token, logprobs):
@@ -199,11 +200,11 @@ class Engine:
         stats.preemptions = self.scheduler.preemptions
         stats.held = self.scheduler.held
         stats.evictions = self.kv.evictions
-        t5 = time.perf_counter()
-        stats.model_time += t2 - t1
-        stats.sampling_time += t4 - t3
-        stats.schedule_time += (t1 - t0) + (t3 - t2) + (t5 - t4)
-        stats.total_time += t5 - t0
+        t5 = self._clock.stamp()
+        stats.model_time += self._clock.seconds(t1, t2)
+        stats.sampling_time += self._clock.seconds(t3, t4)
+        stats.schedule_time += (t1.wall - t0.wall) + (t3.wall - t2.wall) + (t5.wall - t4.wall)  # host work
+        stats.total_time += t5.wall - t0.wall
         return finished
 
     # -- requests in ----------------------------------------------------------------------------------
