@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Weight-only quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py).
-QUANT_SCHEMES = ("none", "int8", "int4", "gguf")
+QUANT_SCHEMES = ("none", "int8", "int4", "gguf", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 
 
