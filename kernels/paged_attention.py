@@ -89,7 +89,7 @@ def _decode_kernel(
     for j in range(lo, hi):
         block = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
         key_ok = j * BLOCK_SIZE + t < ctx
-        offs = h * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
+        offs = h.to(tl.int64) * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_SIZE]
@@ -136,7 +136,7 @@ def _prefix_kernel(
     acc = tl.zeros([BLOCK_R * GROUP_PAD, D_PAD], tl.float32)
     for j in range(0, n_blocks):
         block = tl.load(prefix_tables_ptr + grp * stride_pt + j).to(tl.int64)
-        offs = h * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
+        offs = h.to(tl.int64) * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
         k = tl.load(k_ptr + offs, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_ptr + offs, mask=d_ok[None, :], other=0.0)
         if DOT_FP32:
@@ -210,7 +210,7 @@ def _prefill_kernel(
     for j in range(0, n_blocks):
         block = tl.load(tables_ptr + seq * stride_tb + j).to(tl.int64)
         k_pos = j * BLOCK_SIZE + t
-        offs = h * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
+        offs = h.to(tl.int64) * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
         kv_mask = (k_pos < ctx)[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
