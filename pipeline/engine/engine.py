@@ -75,6 +75,11 @@ class Engine:
         param = next(self.model.parameters())
         self.device = param.device if config.device == "auto" else torch.device(config.device)
         if self.device != param.device:
+            if self.device.type == "cuda" and any(getattr(m, "cpu_packed", None) for m in self.model.modules()):
+                raise ValueError(
+                    f"engine.device={config.device}: the model was loaded on CPU and packed for the CPU kernels; "
+                    "load it on the GPU instead (load_model(..., device=...), or engine.device in a job)"
+                )
             self.model.to(self.device)
         block_bytes = kv_bytes_per_block(self.model, config.block_size)
         max_pos = self.model_config.max_position_embeddings

@@ -231,3 +231,13 @@ def test_auto_dtype_and_rank_device():
     assert resolve_dtype("auto", "auto") == ("bfloat16" if torch.cuda.is_available() else "float32")
     assert rank_device("cuda:2", 0) == "cuda:2" and rank_device("cuda:2", 1) == "cuda:3"
     assert rank_device("cuda", 1) == "cuda:1" and rank_device("cpu", 3) == "cpu"
+
+
+def test_a_model_packed_for_cpu_is_not_moved_to_cuda():
+    from pipeline.model.quant import pack_model_for_cpu, quantize_model
+
+    loaded = build_tiny(dtype=torch.bfloat16)
+    quantize_model(loaded.model, "int4", 32, weights_loaded=True)
+    assert pack_model_for_cpu(loaded.model) > 0
+    with pytest.raises(ValueError, match="packed for the CPU kernels; load it on the GPU"):
+        Engine(loaded, EngineConfig(device="cuda", kv_cache_memory="8MiB"))
