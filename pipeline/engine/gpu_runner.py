@@ -57,7 +57,6 @@ class StepPlan:
     sizes: list[int]
     num_tokens: int
     num_decodes: int
-    num_seqs: int
     table_width: int
     num_splits: int
     num_prefill_tiles: int
@@ -122,7 +121,7 @@ def plan_step(batch: StepBatch, block_size: int, num_kv_heads: int, num_sms: int
         d = t = pad_to
     parts = [seg[name].to(torch.long) for name in SEGMENTS]
     return StepPlan(
-        flat=torch.cat(parts), sizes=[p.numel() for p in parts], num_tokens=t, num_decodes=d, num_seqs=len(lens),
+        flat=torch.cat(parts), sizes=[p.numel() for p in parts], num_tokens=t, num_decodes=d,
         table_width=width, num_splits=decode_splits(d, num_kv_heads, max_blocks, num_sms),
         num_prefill_tiles=seg["prefill_tiles"].numel() // 2, prefix_groups=len(groups),
         prefix_width=prefix_width, graph=pad_to is not None,
