@@ -170,8 +170,11 @@ class JobConfig:
         resolved = self.resolved
         inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
         engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
+        # The dtype that runs, not `auto`: a run started on CPU (float32) and resumed on a GPU (bfloat16)
+        # would otherwise mix rows of two precisions under one fingerprint.
+        dtype = resolve_dtype(resolved["model"]["dtype"], resolved["engine"]["device"])
         return {
-            "model": {**resolved["model"], **model_identity(model_path)},
+            "model": {**resolved["model"], "dtype": dtype, **model_identity(model_path)},
             "sampling": resolved["sampling"],
             "input": inp,
             "engine": engine,
