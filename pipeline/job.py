@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import pyarrow as pa
 
 from pipeline import __version__
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, resolve_dtype
 from pipeline.engine.request import Request, Result
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
@@ -55,7 +55,7 @@ def _model_options(cfg: JobConfig) -> dict[str, Any]:
     """How every rank loads the model (the job's rank 0, its workers, or torchrun's ranks)."""
     import torch
 
-    return {"dtype": getattr(torch, cfg.model.dtype), "device": cfg.engine.device, "quant": cfg.model.quant,
+    return {"dtype": getattr(torch, resolve_dtype(cfg.model.dtype, cfg.engine.device)), "device": cfg.engine.device, "quant": cfg.model.quant,
             "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel}
 
 
@@ -204,7 +204,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         from pipeline.perf.probe import hardware_profile
         from pipeline.perf.roofline import Roofline
 
-        roof = Roofline.of(loaded.config, hardware_profile(cfg.resolved["hardware"]), cfg.model.dtype,
+        roof = Roofline.of(loaded.config, hardware_profile(cfg.resolved["hardware"]),
+                           resolve_dtype(cfg.model.dtype, cfg.engine.device),
                            tp=cfg.engine.tensor_parallel)
     recorder = RunRecorder(roof, interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
@@ -260,7 +261,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                                        if stats.model_time else 0.0),
         "engine": stats.as_dict(),
         "model": {"name": cfg.model.name, "path": model_path, "loaded_name": loaded.name,
-                  "dtype": cfg.model.dtype},
+                  "dtype": resolve_dtype(cfg.model.dtype, cfg.engine.device)},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),
         "shard": {"index": run_state.shard_index, "count": run_state.num_shards},

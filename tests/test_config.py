@@ -106,6 +106,8 @@ def test_fingerprint_follows_what_changes_outputs(tmp_path):
     assert fingerprint("sampling.temperature=0.5") != base
     assert fingerprint("model.name=other") != base
     assert fingerprint("engine.seed=1") != base
+    assert fingerprint("model.dtype=auto", "engine.device=cpu") == fingerprint("model.dtype=float32", "engine.device=cpu")
+    assert fingerprint("model.dtype=auto", "engine.device=cuda") != fingerprint("model.dtype=auto", "engine.device=cpu")
     model.write_bytes(b"12345")  # weights replaced at the same path
     assert fingerprint() != base
 

@@ -28,6 +28,9 @@ def parse_bytes(value: str | int, key: str = "kv_cache_memory") -> int:
     return n
 
 
+AUTO_CPU_KV_BYTES = 2**30
+
+
 @dataclass
 class EngineConfig:
     """How the engine batches and how much memory its KV cache may take.
@@ -37,7 +40,7 @@ class EngineConfig:
     """
 
     block_size: int = 16
-    kv_cache_memory: str | int = "1GiB"
+    kv_cache_memory: str | int = "auto"  # auto: from free memory on CUDA (gpu_memory_utilization), 1 GiB on CPU
     max_batched_tokens: int = 512
     max_batch_size: int = 64
     max_model_len: int | None = None
@@ -46,6 +49,8 @@ class EngineConfig:
     max_waiting: int | None = None
     seed: int = 0  # seeds the generators of requests that carry no seed of their own
     tensor_parallel: int = 1  # ranks the model is split across (pipeline/parallel/runner.py)
+    cuda_graphs: bool = True  # CUDA: replay captured decode steps (docs/gpu.md); no effect on CPU
+    gpu_memory_utilization: float = 0.9  # CUDA, kv_cache_memory=auto: share of device memory the job may use
 
     def __post_init__(self) -> None:
         for key in ("block_size", "max_batched_tokens", "max_batch_size", "tensor_parallel"):
@@ -56,17 +61,28 @@ class EngineConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"engine.{key} must be an integer >= 1 or null, got {value!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"engine.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+            raise ValueError(f"engine.gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"engine.prefix_caching must be true or false, got {self.prefix_caching!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"engine.seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"engine.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        parse_bytes(self.kv_cache_memory)
+        if not self.kv_cache_auto:
+            parse_bytes(self.kv_cache_memory)
+
+    @property
+    def kv_cache_auto(self) -> bool:
+        return self.kv_cache_memory == "auto"
 
     @property
     def kv_cache_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory)
+        """The fixed KV budget: the configured size, or 1 GiB for `auto` (what `auto` means on CPU)."""
+        return AUTO_CPU_KV_BYTES if self.kv_cache_auto else parse_bytes(self.kv_cache_memory)
 
     @property
     def waiting_window(self) -> int:

@@ -7,7 +7,6 @@ parameters, empty or too long prompts, unknown token ids) come back as `finish_r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -21,12 +20,14 @@ from pipeline.engine.sampler import sample
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
 from pipeline.engine.stats import EngineStats
+from pipeline.engine.timing import StepClock
 
 
 class Engine:
     def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner):
         """`make_runner` builds the step executor once the KV pool is sized: the plain `Runner`, or the
-        tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model."""
+        tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model.
+        An unsplit model on CUDA runs on `GpuRunner` (Triton paged attention, CUDA graphs) instead."""
         self.config = config = config or EngineConfig()
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -34,11 +35,16 @@ class Engine:
         param = next(self.model.parameters())
         self.device = param.device if config.device == "auto" else torch.device(config.device)
         if self.device != param.device:
+            if self.device.type == "cuda" and any(getattr(m, "cpu_packed", None) for m in self.model.modules()):
+                raise ValueError(
+                    f"engine.device={config.device}: the model was loaded on CPU and packed for the CPU kernels; "
+                    "load it on the GPU instead (load_model(..., device=...), or engine.device in a job)"
+                )
             self.model.to(self.device)
         block_bytes = kv_bytes_per_block(self.model, config.block_size)
-        num_blocks = config.kv_cache_bytes // block_bytes
-        capacity = num_blocks * config.block_size
         max_pos = self.model_config.max_position_embeddings
+        num_blocks = self._kv_bytes(config, block_bytes, max_pos) // block_bytes
+        capacity = num_blocks * config.block_size
         self.max_model_len = config.max_model_len or min(max_pos, capacity)
         if self.max_model_len > max_pos:
             raise ValueError(f"engine.max_model_len={self.max_model_len} exceeds the model's {max_pos} positions")
@@ -54,12 +60,30 @@ class Engine:
                 f"engine.tensor_parallel={config.tensor_parallel} but the model was loaded for {self.model.tp.size} "
                 "rank(s); load it with pipeline.parallel.runner.open_model(..., tensor_parallel=N)"
             )
-        self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
+        if self.device.type == "cuda" and self.model.tp.size == 1:  # Triton attention, CUDA graphs
+            from pipeline.engine.gpu_runner import GpuRunner
+
+            self.runner = GpuRunner(self.model, num_blocks, config.block_size, self.device, config.cuda_graphs,
+                                    config.max_batch_size, self.max_model_len)
+        else:
+            self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.stats = EngineStats()
         self._update_gauges()
         self._rng = torch.Generator().manual_seed(config.seed)
+        self._clock = StepClock(self.device)
         self._next_seq_id = 0
+
+    def _kv_bytes(self, config: EngineConfig, block_bytes: int, max_pos: int) -> int:
+        """The KV budget: fixed, or on CUDA with kv_cache_memory=auto what free memory allows."""
+        if not (config.kv_cache_auto and self.device.type == "cuda"):
+            return config.kv_cache_bytes
+        from pipeline.engine.memory import kv_cache_budget, measure_activation_peak
+
+        peak = measure_activation_peak(self.model, config.max_batched_tokens, config.max_batch_size, self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        min_blocks = -(-(config.max_model_len or 1) // config.block_size)
+        return kv_cache_budget(total, free, peak, config.gpu_memory_utilization, block_bytes, min_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -113,7 +137,7 @@ class Engine:
 
     def step(self) -> list[Result]:
         """Run one scheduling step; returns the samples that finished in it."""
-        t0 = time.perf_counter()
+        t0 = self._clock.stamp()
         stats = self.stats
         work = self.scheduler.schedule()
         if not work:
@@ -123,10 +147,10 @@ class Engine:
             stats.steady_running_sum += len(work)
         batch, samplers = build_batch(work, self.config.block_size, self.kv.pending_copies)
         self.kv.pending_copies = []
-        t1 = time.perf_counter()
+        t1 = self._clock.stamp()
         attention_before = self.runner.attn.attention_seconds
         logits = self.runner.execute(batch)
-        t2 = time.perf_counter()
+        t2 = self._clock.stamp()
         stats.attention_time += self.runner.attn.attention_seconds - attention_before
         for seq, n in work:
             stats.attention_pairs += n * seq.num_computed + n * (n + 1) // 2
@@ -135,11 +159,11 @@ class Engine:
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
         rows, samplers = self._fork_children(samplers)
-        t3 = time.perf_counter()
+        t3 = self._clock.stamp()
         if len(rows) > logits.shape[0]:  # forked samples share their parent's row
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        sampled = sample(logits, samplers)
-        t4 = time.perf_counter()
+        sampled = sample(logits, samplers)  # copies the sampled ids to the host: the step's one sync
+        t4 = self._clock.stamp()
         finished = []
         for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
             if self._append(seq, token, logprobs):
@@ -151,11 +175,11 @@ class Engine:
         stats.preemptions = self.scheduler.preemptions
         stats.held = self.scheduler.held
         stats.evictions = self.kv.evictions
-        t5 = time.perf_counter()
-        stats.model_time += t2 - t1
-        stats.sampling_time += t4 - t3
-        stats.schedule_time += (t1 - t0) + (t3 - t2) + (t5 - t4)
-        stats.total_time += t5 - t0
+        t5 = self._clock.stamp()
+        stats.model_time += self._clock.seconds(t1, t2)
+        stats.sampling_time += self._clock.seconds(t3, t4)
+        stats.schedule_time += (t1.wall - t0.wall) + (t3.wall - t2.wall) + (t5.wall - t4.wall)  # host work
+        stats.total_time += t5.wall - t0.wall
         self._update_gauges()
         return finished
 

@@ -18,7 +18,7 @@ def read_json(path: Path) -> dict:
 
 
 # Weight-only quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py).
-QUANT_SCHEMES = ("none", "int8", "int4", "gguf")
+QUANT_SCHEMES = ("none", "int8", "int4", "gguf", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 
 

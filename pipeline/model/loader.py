@@ -92,6 +92,11 @@ def load_model(
     """
     if quant not in QUANT_SCHEMES:
         raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_SCHEMES})")
+    if quant == "fp8" and torch.device(device).type != "cuda":
+        raise ValueError(
+            "model.quant=fp8 runs on CUDA GPUs with FP8 tensor cores (Hopper, Ada: torch._scaled_mm); "
+            f"engine.device={device} — on CPU use model.quant=int8 or int4"
+        )
     ckpt = open_model_file(path if path is not None else default_model_path())
     tokenizer = ckpt.load_tokenizer()
     with torch.device(device):

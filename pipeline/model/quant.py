@@ -25,6 +25,7 @@ from kernels.dispatch import packed_matmul, wq_matmul
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, pack_for_cpu
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
+from pipeline.model.fp8_linear import Fp8Linear
 from pipeline.model.layers import ParallelLinear
 
 GGUF_BLOCK = 32
@@ -246,7 +247,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, weigh
     targets = [(n, m) for n, m in model.named_modules() if type(m) is ParallelLinear]
     for name, linear in targets:
         try:
-            quant = QuantLinear(linear, scheme, group_size)
+            quant = Fp8Linear(linear) if scheme == "fp8" else QuantLinear(linear, scheme, group_size)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
         if weights_loaded:
@@ -261,7 +262,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, weigh
 def check_loaded(model: nn.Module) -> None:
     """Raise naming the first quantized linear that did not receive all of its rows."""
     for name, m in model.named_modules():
-        if isinstance(m, QuantLinear) and m.rows_loaded != m.out_features:
+        if isinstance(m, QuantLinear | Fp8Linear) and m.rows_loaded != m.out_features:
             raise ValueError(f"{name}: checkpoint provided {m.rows_loaded} of {m.out_features} weight rows")
 
 
@@ -274,7 +275,7 @@ def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights of the model's linear layers (quantized or float), biases excluded."""
     total = 0
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, QuantLinear | Fp8Linear):
             total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
         elif isinstance(m, ParallelLinear):
             total += m.weight.numel() * m.weight.element_size()

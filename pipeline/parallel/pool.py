@@ -61,8 +61,10 @@ def backend_for(device: str) -> str:
 
 
 def rank_device(device: str, local_rank: int) -> str:
-    """Each rank on a CUDA machine gets its own GPU; on CPU every rank shares `cpu`."""
-    return f"cuda:{local_rank}" if torch.device(device).type == "cuda" else "cpu"
+    """Each rank on a CUDA machine gets its own GPU, counted from the index the user gave (`cuda:2` puts
+    ranks 0, 1 on GPUs 2, 3); on CPU every rank shares `cpu`."""
+    dev = torch.device(device)
+    return f"cuda:{(dev.index or 0) + local_rank}" if dev.type == "cuda" else "cpu"
 
 
 def _die_with_parent(parent_pid: int) -> None:

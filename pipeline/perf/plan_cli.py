@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from pipeline.config import resolve_dtype
 from pipeline.errors import JobError
 from pipeline.model.config import ModelConfig, read_json
 from pipeline.perf.probe import load_hardware
@@ -242,14 +243,13 @@ def main(argv: list[str]) -> int:
         cfg, tokenizer = read_model(job.model.path)
         cfg.check_tensor_parallel(opts.tp)
         hw = load_hardware(hw_name, hw_over)
-        from pipeline.engine.config import parse_bytes
-
         max_len = min(job.engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         prompts, total = (sample_prompts(job, tokenizer(), max_len, opts.sample_rows)
                           if opts.sample_rows > 0 else (None, None))
         figures = plan_figures(
-            cfg, hw, opts, model_dtype=job.model.dtype, batch=job.engine.max_batch_size,
-            max_tokens=job.sampling.max_tokens, kv_budget=parse_bytes(job.engine.kv_cache_memory),
+            cfg, hw, opts, model_dtype=resolve_dtype(job.model.dtype, "cpu" if hw_name == "cpu" else "cuda"),
+            batch=job.engine.max_batch_size,
+            max_tokens=job.sampling.max_tokens, kv_budget=job.engine.kv_cache_bytes,
             chunk_tokens=job.engine.max_batched_tokens, prompts=prompts, total_rows=total,
         )
     except (JobError, ValueError, FileNotFoundError) as e:

@@ -72,3 +72,31 @@ def test_shape_mismatch_is_an_error():
     q, s, mins = quantize_int4(w, 32)
     with pytest.raises(ValueError, match="does not match input features 32"):
         wq_triton.wq_matmul_triton(x[:, :32], q, s, mins, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_sums_to_the_reference(bits, split):
+    """Split-K: each program a share of K's tiles (uneven shares included), float32 partials summed."""
+    m, n, k, g = 3, 40, 512, 32
+    w, x = _inputs(m, n, k, seed=split)
+    if bits == 4:
+        q, s, mins = quantize_int4(w, g)
+    else:
+        (q, s), mins = quantize_int8(w, g), None
+    for dtype in (torch.float32, torch.bfloat16):
+        y = wq_triton.wq_matmul_triton(x.to(dtype), q, s, mins, bits, split_k=split)
+        ref = wq_matmul_reference(x.to(dtype), q, s, mins, bits)
+        assert y.dtype == dtype
+        assert (y.float() - ref.float()).abs().max().item() <= _tolerance(ref, dtype)
+
+
+def test_tile_choices():
+    assert wq_triton.block_k_for(4096, 32) == 32 and wq_triton.block_k_for(4096, 128) == 128
+    assert wq_triton.block_k_for(4160, 4160) == 128  # one group per row: any tile
+    with pytest.raises(ValueError, match="multiple of 32"):
+        wq_triton.block_k_for(480, 48)
+    # H200 (132 SMs), batch 1: a 4096x4096 weight has 64 output tiles -> 5 programs each; a full batch none.
+    assert wq_triton.split_k_for(1, 4096, 4096, 128, 132) == 5
+    assert wq_triton.split_k_for(256, 4096, 4096, 128, 132) == 1
+    assert wq_triton.split_k_for(1, 4096, 256, 128, 132) == 1  # too few K tiles to share

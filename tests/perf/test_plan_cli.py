@@ -43,7 +43,7 @@ def test_plan_of_a_job(capsys, tiny_model_dir, input_path):
     from pipeline.model.tokenizer import Tokenizer
 
     f = run_json(capsys, f"model.path={tiny_model_dir}", f"input.path={input_path}", "hardware=h100",
-                 "engine.max_batch_size=8", "sampling.max_tokens=10", "hardware.price_per_hour=3.6",
+                 "model.dtype=float32", "engine.max_batch_size=8", "sampling.max_tokens=10", "hardware.price_per_hour=3.6",
                  "roofline.api_price=0.5")
     # prefix sharing, against a brute-force prefix-tree count of independently built prompts
     tok = Tokenizer.from_hf_dir(tiny_model_dir)
