@@ -25,7 +25,8 @@ from pipeline.engine.request import Request, SamplingParams  # noqa: E402
 from pipeline.engine.runner import build_batch  # noqa: E402
 from pipeline.engine.sampler import sample  # noqa: E402
 from pipeline.parallel.pool import rank_device  # noqa: E402
-from tests.engine.conftest import build_tiny, random_prompts, reference_greedy  # noqa: E402
+from tests.engine.conftest import EOS, build_tiny, random_prompts  # noqa: E402
+from tests.reference import greedy  # noqa: E402
 
 if type(pa._decode_kernel).__name__ != "InterpretedFunction":  # imported earlier without the interpreter
     pa = importlib.reload(pa)
@@ -72,7 +73,7 @@ def test_engine_on_triton_kernels_matches_reference(tiny, monkeypatch):
                     make_runner=interpreted_runner(num_sms=64))
     results = {r.id: r.token_ids for r in engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])}
     for i, p in enumerate(prompts):
-        assert results[i] == reference_greedy(tiny.model, p, 6), i
+        assert results[i] == greedy(tiny.model, p, 6, stop_token_ids=[EOS]), i
     assert any(p.prefix_groups for p in plans), "no step used the shared-prefix pass"
     assert any(p.num_splits > 1 for p in plans), "no step split a row's blocks"
     assert any(p.num_prefill_tiles and p.num_decodes for p in plans), "no mixed prefill + decode step"
