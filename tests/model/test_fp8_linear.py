@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kernels.fp8 import fp8_matmul_reference
-from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.fp8_linear import Fp8Linear
 from pipeline.model.loader import load_model
 from pipeline.model.quant import linear_weight_bytes, quantize_model
 from tests.engine.conftest import build_tiny
+from tests.reference import prompt_logits
 
 
 def test_loader_refuses_fp8_on_cpu():
@@ -34,8 +34,7 @@ def test_fp8_linears_follow_the_float_model():
         pytest.skip(f"torch._scaled_mm not available here: {e}")
     ref = fp8_matmul_reference(x, lin.qweight, lin.scales)
     assert (y.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
-    ids, pos = torch.tensor([5, 9, 17, 3]), torch.arange(4)
-    logits = [m.compute_logits(m(ids, pos, ContiguousKVCache(2, m.scale))) for m in (float_model, fp8_model)]
+    logits = [prompt_logits(m, [5, 9, 17, 3]) for m in (float_model, fp8_model)]
     # Through 2 random layers, e4m3 weights and activations (3 mantissa bits) keep the logits' direction
     # (measured 0.988 here; int8 weight-only: 0.999).
     assert torch.nn.functional.cosine_similarity(logits[0], logits[1]).min() > 0.97
