@@ -26,14 +26,16 @@ from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 
-SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
+# Sampling keys a row may override by a column of the same name: all but `n`, which fixes how many output
+# rows each input row has (`pipeline.verify` checks that count for the whole run).
+SAMPLING_COLUMNS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "n")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "fail_if_exists")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # Columns the job writes itself; a passthrough column may not take one of these names.
 RESULT_COLUMNS = (
-    "id", "sample_index", "text", "token_ids", "logprobs", "prompt_tokens", "cached_tokens", "completion_tokens",
+    "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_tokens", "cached_tokens", "completion_tokens",
     "finish_reason", "error",
 )
 
@@ -115,7 +117,12 @@ def _mutable_mirror(cls: type, name: str) -> type:
         if not f.init:
             continue
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        if isinstance(default, list | dict | set):
+        if isinstance(default, dict):
+            # Hydra's struct mode refuses new keys in a typed mapping, so `sampling.logit_bias={50: -100}`
+            # could not set one; an untyped null field takes the whole mapping (`_frozen` checks it).
+            specs.append((f.name, Any, field(default=None)))
+            continue
+        if isinstance(default, list | set):
             spec = field(default_factory=lambda d=default: type(d)(d))
         else:
             spec = field(default=default)
@@ -203,10 +210,22 @@ def _frozen(cls: type, node: Any, section: str) -> Any:
     for key, value in values.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
             values[key] = tuple(value)
+        if typing.get_origin(hints.get(key)) is dict:
+            values[key] = _int_keys(f"{section}.{key}", value)
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:
         raise JobError(f"invalid config `{section}`: {e}") from None
+
+
+def _int_keys(key: str, value: Any) -> dict:
+    """A mapping keyed by token ids (`{50: -100}`; YAML may spell the keys as strings); null is empty."""
+    if value is None:
+        return {}
+    try:
+        return {int(k): v for k, v in value.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise JobError(f"invalid config `{key}`: {value!r}; expected a mapping of token id to number") from None
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:

@@ -38,8 +38,12 @@ def test_defaults_compose_into_validated_objects():
 
 
 def test_sampling_section_mirrors_sampling_params():
-    mirrored = {f.name: f.default for f in dataclasses.fields(SamplingSection)}
-    original = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    def defaults(cls) -> dict:
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)}
+
+    mirrored, original = defaults(SamplingSection), defaults(SamplingParams)
+    assert mirrored.pop("logit_bias") is None and original.pop("logit_bias") == {}  # null reads as {}
     assert mirrored == original
 
 
@@ -74,7 +78,7 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("engine.kv_cache_memory=lots", "engine.kv_cache_memory"),
     ("engine.device=tpu", "engine.device"),
     ("input.truncate=right", "input.truncate"),
-    ("input.sampling_columns=[top_k]", "input.sampling_columns"),
+    ("input.sampling_columns=[n]", "input.sampling_columns"),
     ("input.passthrough_columns=[text]", "input.passthrough_columns"),
     ("output.mode=append", "output.mode"),
     ("output.rows_per_part=0", "output.rows_per_part"),
@@ -84,12 +88,24 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("progress.mode=fancy", "progress.mode"),
     ("progress.log_every_s=0", "progress.log_every_s"),
     ("input.path=[]", "input.path"),
+    ("sampling.logit_bias={a: 1}", "sampling.logit_bias"),
+    ("sampling.logit_bias={5: 101}", "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
+    ("sampling.presence_penalty=2.5", "presence_penalty must be in [-2, 2]"),
+    ("sampling.repetition_penalty=0", "repetition_penalty must be a finite number > 0"),
+    ("sampling.min_tokens=100", "min_tokens must be an integer in [0, max_tokens]"),
 ])
 def test_invalid_values_name_the_key(override, words):
     cfg = compose_job(override)
     with pytest.raises(JobError) as e:
         load_job_config(cfg)
     assert words in str(e.value)
+
+
+def test_logit_bias_takes_a_whole_mapping():
+    """Hydra refuses new keys in a typed mapping; the bias map must still be settable from the command line."""
+    job = load_job_config(compose_job("sampling.logit_bias={50: -100, 7: 2.5}", "sampling.frequency_penalty=0.5"))
+    assert job.sampling.logit_bias == {50: -100, 7: 2.5} and job.sampling.frequency_penalty == 0.5
+    assert load_job_config(compose_job()).sampling.logit_bias == {}
 
 
 def test_fingerprint_follows_what_changes_outputs(tmp_path):

@@ -68,6 +68,19 @@ def test_per_row_sampling_overrides(tokenizer):
     assert off.sampling.temperature == 0
 
 
+def test_every_sampling_key_but_n_is_a_row_column(tokenizer):
+    """Lists and maps come as Arrow gives them (lists, (key, value) pairs) or as JSON text."""
+    row = {"prompt": "x", "top_k": 5.0, "min_p": 0.1, "stop": ["###"], "stop_token_ids": "[2, 3]",
+           "ignore_eos": True, "logprobs": 2, "repetition_penalty": 1.2, "presence_penalty": -0.5,
+           "frequency_penalty": 0.25, "logit_bias": [(7, -100.0), (9, 2.5)], "min_tokens": 3}
+    p = builder(tokenizer).prepare(row)
+    assert p.sampling == SamplingParams(
+        max_tokens=16, top_k=5, min_p=0.1, stop=("###",), stop_token_ids=(2, 3), ignore_eos=True, logprobs=2,
+        repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=0.25, logit_bias={7: -100.0, 9: 2.5},
+        min_tokens=3)
+    assert builder(tokenizer).prepare({"prompt": "x", "logit_bias": '{"7": 1}'}).sampling.logit_bias == {7: 1}
+
+
 def test_truncate_left_keeps_the_prompt_end(tokenizer):
     text = " ".join(f"word{i}" for i in range(300))
     full = builder(tokenizer, chat_template=False).prepare({"prompt": text}).token_ids
@@ -82,8 +95,17 @@ ROW_ERRORS = [
     ({"prompt": "  \n\t"}, {}, "prompt is empty"),
     ({"prompt": "word " * 200}, {"max_model_len": 100}, "prompt has 2"),
     ({"prompt": "x"}, {"max_model_len": 16}, "max_tokens=16 leaves no room"),
-    ({"prompt": "x", "temperature": -0.5}, {}, "bad per-row sampling override: invalid sampling parameters: "
+    ({"prompt": "x", "temperature": -0.5}, {}, "bad per-row sampling value in column "
+                                                "'temperature': invalid sampling parameters: "
                                                 "temperature must be a finite number >= 0"),
+    ({"prompt": "x", "temperature": 0.5, "presence_penalty": 3}, {}, "in column 'presence_penalty': "),
+    ({"prompt": "x", "repetition_penalty": 0}, {}, "in column 'repetition_penalty': "),
+    ({"prompt": "x", "logit_bias": "{oops"}, {}, "in column 'logit_bias': not valid JSON"),
+    ({"prompt": "x", "logit_bias": [(3, 101.0)]}, {}, "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
+    ({"prompt": "x", "stop": "###"}, {}, "in column 'stop': not valid JSON"),
+    ({"prompt": "x", "stop_token_ids": '{"a": 1}'}, {}, "in column 'stop_token_ids': expected a list, got dict"),
+    ({"prompt": "x", "min_tokens": 17}, {}, "in column 'min_tokens': "),
+    ({"prompt": "x", "ignore_eos": "yes"}, {}, "in column 'ignore_eos': "),
     ({"prompt": "x", "temperature": float("inf")}, {}, "temperature must be a finite number"),
     ({"prompt": "x", "max_tokens": 0}, {}, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "max_tokens": 2.5}, {}, "max_tokens must be an integer >= 1"),

@@ -168,7 +168,7 @@ class Engine:
         t3 = time.perf_counter()
         if len(rows) > logits.shape[0]:  # forked samples share their parent's row
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        sampled = sample(logits, samplers)
+        sampled = sample(logits, samplers, self.eos_token_ids)
         t4 = time.perf_counter()
         finished = []
         for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
@@ -199,6 +199,7 @@ class Engine:
             elif not isinstance(sampling, SamplingParams):
                 raise ValueError(f"sampling must be SamplingParams or a mapping, got {type(sampling).__name__}")
             problem = self._prompt_problem(getattr(request, "prompt_token_ids", None))
+            problem = problem or self._token_id_problem(sampling)
             if sampling.n > self.config.max_batch_size:
                 problem = problem or f"n={sampling.n} exceeds engine.max_batch_size={self.config.max_batch_size}"
         except (TypeError, ValueError) as exc:
@@ -226,6 +227,14 @@ class Engine:
             return (
                 f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
             )
+        return None
+
+    def _token_id_problem(self, sampling: SamplingParams) -> str | None:
+        vocab = self.model_config.vocab_size
+        for key in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(sampling, key) if t >= vocab]
+            if bad:
+                return f"{key} has token ids outside 0..{vocab - 1}: {bad[:5]}"
         return None
 
     def _sequence(self, rid: Any, index: int, tokens: list[int], sampling: SamplingParams, seed: int) -> Sequence:
@@ -274,7 +283,7 @@ class Engine:
         if seq.decoder is not None:
             tail = len(seq.text)
             seq.text += seq.decoder.push(token)
-            for stop in sp.stop:
+            for stop in sp.stop if seq.num_output_tokens > sp.min_tokens else ():
                 at = seq.text.find(stop, max(0, tail - len(stop) + 1))
                 if at >= 0:
                     seq.text = seq.text[:at]
@@ -298,4 +307,11 @@ class Engine:
             id=seq.request_id, sample_index=seq.sample_index, token_ids=output, text=text,
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=max(0, seq.num_cached),
             completion_tokens=len(output), finish_reason=seq.finish_reason, logprobs=seq.logprobs,
+            logprob_tokens=self._token_strings(seq.logprobs),
         )
+
+    def _token_strings(self, logprobs: list[dict[int, float]] | None) -> list[dict[int, str]] | None:
+        """Each logprobs entry's tokens as text (special tokens spelled out), as OpenAI's `token` field."""
+        if logprobs is None:
+            return None
+        return [{t: self.tokenizer.decode([t], skip_special_tokens=False) for t in entry} for entry in logprobs]

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
+from pipeline.source.sampling_columns import cell_value
 
 ROLES = ("system", "user", "assistant")
 
@@ -72,6 +73,15 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _valid(base: SamplingParams, key: str, value: Any) -> bool:
+    """Whether `key=value` alone makes valid sampling parameters (to name the bad column of several)."""
+    try:
+        dataclasses.replace(base, **{key: value})
+    except ValueError:
+        return False
+    return True
+
+
 class PromptBuilder:
     """Applies the input section of the config to rows, with the model's tokenizer and length limit."""
 
@@ -94,17 +104,20 @@ class PromptBuilder:
         return Prepared(fitted, sampling, None, len(fitted))
 
     def _sampling(self, row: Mapping[str, Any]) -> SamplingParams:
-        overrides = {k: row[k] for k in self.inp.sampling_columns if not _missing(row.get(k))}
+        overrides = {}
+        for column in self.inp.sampling_columns:
+            if not _missing(row.get(column)):
+                try:
+                    overrides[column] = cell_value(column, row[column])
+                except ValueError as e:
+                    raise RowError(f"bad per-row sampling value in column {column!r}: {e}") from None
         if not overrides:
             return self.sampling
-        for key in ("max_tokens", "seed"):  # integer columns read from float Parquet columns
-            v = overrides.get(key)
-            if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-                overrides[key] = int(v)
         try:
             return dataclasses.replace(self.sampling, **overrides)
         except ValueError as e:
-            raise RowError(f"bad per-row sampling override: {e}") from None
+            culprits = [c for c in overrides if not _valid(self.sampling, c, overrides[c])] or list(overrides)
+            raise RowError(f"bad per-row sampling value in column {', '.join(map(repr, culprits))}: {e}") from None
 
     def _text(self, row: Mapping[str, Any]) -> str:
         inp = self.inp

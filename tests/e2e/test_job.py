@@ -221,6 +221,10 @@ def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
     for r in table.to_pylist():
         steps = [dict(m) for m in r["logprobs"]]
         assert len(steps) == r["completion_tokens"] == len(r["token_ids"])
+        texts = [dict(m) for m in r["logprob_tokens"]]
+        assert [t.keys() for t in texts] == [s.keys() for s in steps]
+        assert all(text == tiny_loaded.tokenizer.decode([t], skip_special_tokens=False)
+                   for step in texts for t, text in step.items())
         for token, step in zip(r["token_ids"], steps):
             assert max(step, key=step.get) == token  # greedy picks the most likely token
         prompt = tiny_loaded.tokenizer.encode(["Tell me a story.", "Count to three."][r["id"] - 1])
@@ -230,6 +234,23 @@ def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
             ref = torch.log_softmax(tiny_loaded.model.compute_logits(hidden[-1:])[0], -1).topk(3)
         assert sorted(steps[0]) == sorted(ref.indices.tolist())
         assert [steps[0][i] for i in ref.indices.tolist()] == pytest.approx(ref.values.tolist(), abs=1e-4)
+
+
+def test_list_and_map_sampling_columns(tmp_path, tiny_model_dir, tiny_loaded):
+    """Arrow list and map columns override per row; a row's logit_bias of -100 on the greedy token it would
+    pick moves it off that token, and a bad row becomes an error row naming the column."""
+    prompt = "Tell me a story."
+    plain = greedy_reference(tiny_loaded, tiny_loaded.tokenizer.encode(prompt), 1)[0]
+    bias = pa.array([[(plain, -100.0)], None, [(plain, 500.0)]], pa.map_(pa.int64(), pa.float64()))
+    pq.write_table(pa.table({"id": [1, 2, 3], "prompt": [prompt] * 3, "logit_bias": bias,
+                             "stop_token_ids": pa.array([None, [plain], None], pa.list_(pa.int64()))}),
+                   tmp_path / "in.parquet")
+    run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.max_tokens=3",
+            "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
+    rows = {r["id"]: r for r in pq.read_table(next((tmp_path / "out").glob("part-*.parquet"))).to_pylist()}
+    assert rows[1]["token_ids"][0] != plain and rows[1]["error"] is None
+    assert rows[2]["token_ids"] == [plain] and rows[2]["finish_reason"] == "stop"
+    assert rows[3]["finish_reason"] == "error" and "column 'logit_bias'" in rows[3]["error"]
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
