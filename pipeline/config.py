@@ -48,7 +48,10 @@ class InputConfig:
     id_column: str = "id"  # when the files lack it, ids are "<file>:<row>"
     prompt_column: str = "prompt"  # raw text (used unless messages_column is set)
     messages_column: str | None = None  # list<struct<role, content>> chat messages
-    chat_template: bool = True  # render prompt_column as a user turn with the model's chat template
+    # true: render prompt_column as a user turn with the model's chat template; false: raw text; a string:
+    # that Jinja template (when it holds `{{` or `{%`), else a path or fsspec URL of a template file
+    chat_template: Any = True
+    chat_template_kwargs: Any = None  # mapping of extra template variables (enable_thinking, tools, ...)
     system_prompt: str | None = None  # system turn put before prompt_column / messages without one
     passthrough_columns: list[str] = field(default_factory=list)
     sampling_columns: list[str] = field(default_factory=lambda: list(SAMPLING_COLUMNS))
@@ -242,6 +245,13 @@ def _check_input(inp: InputConfig) -> None:
     paths = inp.path if isinstance(inp.path, list) else [inp.path]
     if not paths or not all(isinstance(p, str) and p for p in paths):
         raise JobError(f"invalid config `input.path`: {inp.path!r}; expected a path, glob or list of them")
+    if not (isinstance(inp.chat_template, bool) or (isinstance(inp.chat_template, str) and inp.chat_template)):
+        raise JobError(f"invalid config `input.chat_template`: {inp.chat_template!r}; expected true, false, "
+                       "a Jinja template or a template file's path")
+    kwargs = inp.chat_template_kwargs
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise JobError(f"invalid config `input.chat_template_kwargs`: {kwargs!r}; expected a mapping of names "
+                       "to values")
     _choice("input.truncate", inp.truncate, TRUNCATE_CHOICES)
     _positive("input.batch_rows", inp.batch_rows)
     unknown = sorted(set(inp.sampling_columns) - set(SAMPLING_COLUMNS))

@@ -89,6 +89,9 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("progress.log_every_s=0", "progress.log_every_s"),
     ("input.path=[]", "input.path"),
     ("sampling.logit_bias={a: 1}", "sampling.logit_bias"),
+    ("input.chat_template=''", "input.chat_template"),
+    ("input.chat_template=3", "input.chat_template"),
+    ("input.chat_template_kwargs=[a]", "input.chat_template_kwargs"),
     ("sampling.logit_bias={5: 101}", "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
     ("sampling.presence_penalty=2.5", "presence_penalty must be in [-2, 2]"),
     ("sampling.repetition_penalty=0", "repetition_penalty must be a finite number > 0"),
@@ -106,6 +109,13 @@ def test_logit_bias_takes_a_whole_mapping():
     job = load_job_config(compose_job("sampling.logit_bias={50: -100, 7: 2.5}", "sampling.frequency_penalty=0.5"))
     assert job.sampling.logit_bias == {50: -100, 7: 2.5} and job.sampling.frequency_penalty == 0.5
     assert load_job_config(compose_job()).sampling.logit_bias == {}
+
+
+def test_chat_template_takes_a_string_and_kwargs_a_mapping():
+    job = load_job_config(compose_job("input.chat_template='{{ messages }}'",
+                                      "input.chat_template_kwargs={enable_thinking: false}"))
+    assert job.input.chat_template == "{{ messages }}" and job.input.chat_template_kwargs == {"enable_thinking": False}
+    assert load_job_config(compose_job("input.chat_template=false")).input.chat_template is False
 
 
 def test_fingerprint_follows_what_changes_outputs(tmp_path):

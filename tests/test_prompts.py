@@ -149,3 +149,60 @@ def test_template_failure_is_a_row_error(tokenizer):
 
     b = PromptBuilder(Strict(), InputConfig(), SamplingParams(), 2048)
     assert b.prepare({"prompt": "x"}).error == "chat template failed: conversation roles must alternate"
+
+
+CUSTOM_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if shout %}!{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False, "shout": True}, {"enable_thinking": True}])
+def test_custom_template_and_kwargs_match_transformers(tokenizer, hf_tokenizer, kwargs):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    p = builder(tokenizer, messages_column="messages", chat_template=CUSTOM_TEMPLATE,
+                chat_template_kwargs=kwargs).prepare({"messages": messages})
+    want = hf_tokenizer.apply_chat_template(messages, chat_template=CUSTOM_TEMPLATE, add_generation_prompt=True,
+                                            tokenize=False, **kwargs)
+    assert tokenizer.decode(p.token_ids, skip_special_tokens=False) == want
+    assert p.token_ids == hf_tokenizer(want, add_special_tokens=False)["input_ids"]
+
+
+def test_model_template_kwargs_match_transformers(tokenizer, hf_tokenizer):
+    """The model's own template with extra variables, as transformers renders it."""
+    p = builder(tokenizer, chat_template_kwargs={"unused": 1}).prepare({"prompt": "Hello"})
+    want = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                            tokenize=False, unused=1)
+    assert tokenizer.decode(p.token_ids, skip_special_tokens=False) == want
+
+
+def test_template_from_a_local_or_fsspec_file(tokenizer, tmp_path):
+    import fsspec
+
+    expect = builder(tokenizer, chat_template=CUSTOM_TEMPLATE).prepare({"prompt": "Hello"}).token_ids
+    (tmp_path / "t.jinja").write_text(CUSTOM_TEMPLATE)
+    with fsspec.open("memory://templates/t.jinja", "w") as f:
+        f.write(CUSTOM_TEMPLATE)
+    for where in (str(tmp_path / "t.jinja"), "memory://templates/t.jinja"):
+        assert builder(tokenizer, chat_template=where).prepare({"prompt": "Hello"}).token_ids == expect
+    assert expect != builder(tokenizer).prepare({"prompt": "Hello"}).token_ids
+
+
+def test_bad_custom_templates(tokenizer, tmp_path):
+    from pipeline.errors import JobError
+
+    with pytest.raises(JobError, match=r"input.chat_template.*cannot read template file"):
+        builder(tokenizer, chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(JobError, match=r"input.chat_template.*does not compile"):
+        builder(tokenizer, chat_template="{% for %}")
+    # still sandboxed: reaching Python internals is a row error, not code execution
+    escape = builder(tokenizer, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    assert "chat template failed" in escape.prepare({"prompt": "x"}).error

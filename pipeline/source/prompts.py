@@ -14,7 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import fsspec
+
 from pipeline.config import InputConfig
+from pipeline.errors import JobError
 from pipeline.engine.request import SamplingParams
 from pipeline.source.sampling_columns import cell_value
 
@@ -24,7 +27,9 @@ ROLES = ("system", "user", "assistant")
 class ChatTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
+
+    def with_chat_template(self, template: str, origin: str) -> ChatTokenizer: ...
 
 
 @dataclass
@@ -82,12 +87,30 @@ def _valid(base: SamplingParams, key: str, value: Any) -> bool:
     return True
 
 
+def chat_template_source(value: str) -> tuple[str, str]:
+    """(Jinja source, where it came from) of a string `input.chat_template`: the template itself when it
+    holds Jinja markup, else the text of the file at that path or fsspec URL."""
+    if "{{" in value or "{%" in value:
+        return value, "input.chat_template"
+    try:
+        with fsspec.open(value, "r", encoding="utf-8") as f:
+            return f.read(), value
+    except (OSError, ValueError) as e:
+        raise JobError(f"invalid config `input.chat_template`: cannot read template file {value!r}: {e}") from None
+
+
 class PromptBuilder:
     """Applies the input section of the config to rows, with the model's tokenizer and length limit."""
 
     def __init__(self, tokenizer: ChatTokenizer, inp: InputConfig, sampling: SamplingParams,
                  max_model_len: int) -> None:
+        if isinstance(inp.chat_template, str):  # the job's own template instead of the model's
+            try:
+                tokenizer = tokenizer.with_chat_template(*chat_template_source(inp.chat_template))
+            except ValueError as e:
+                raise JobError(f"invalid config `input.chat_template`: {e}") from None
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(inp.chat_template_kwargs or {})
         self.inp = inp
         self.sampling = sampling
         self.max_model_len = max_model_len
@@ -140,7 +163,7 @@ class PromptBuilder:
 
     def _render(self, messages: list[dict]) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.template_kwargs)
         except Exception as e:  # the model's own Jinja template may reject a conversation
             raise RowError(f"chat template failed: {e}") from None
 
