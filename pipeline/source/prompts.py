@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import fsspec
 
 from pipeline.config import InputConfig
-from pipeline.errors import JobError
 from pipeline.engine.request import SamplingParams
+from pipeline.errors import JobError
 from pipeline.source.sampling_columns import cell_value
 
 ROLES = ("system", "user", "assistant")
