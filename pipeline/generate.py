@@ -45,7 +45,8 @@ class SequenceCaches:
     sequences of the next forward pass and how many of its flat tokens each owns, in order."""
 
     def __init__(self, model: LlamaModel, count: int):
-        self.caches = [ContiguousKVCache(model.config.num_layers, model.scale) for _ in range(count)]
+        self.caches = [ContiguousKVCache(model.config.num_layers, model.scale, model.config.sliding_window)
+                       for _ in range(count)]
         self._runs: list[tuple[int, int]] = []
 
     def select(self, sequences: Sequence[int], counts: Sequence[int]) -> None:
