@@ -12,6 +12,7 @@ defaults and rules.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -120,9 +121,10 @@ def _mutable_mirror(cls: type, name: str) -> type:
         if not f.init:
             continue
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        if isinstance(default, dict):
+        if isinstance(default, dict) or f.metadata.get("json"):
             # Hydra's struct mode refuses new keys in a typed mapping, so `sampling.logit_bias={50: -100}`
-            # could not set one; an untyped null field takes the whole mapping (`_frozen` checks it).
+            # could not set one; an untyped null field takes the whole mapping (`_frozen` checks it). A
+            # JSON-text field (json_schema) may likewise be given as a mapping.
             specs.append((f.name, Any, field(default=None)))
             continue
         if isinstance(default, list | set):
@@ -210,11 +212,14 @@ def _frozen(cls: type, node: Any, section: str) -> Any:
     """Build the validated frozen `cls` from its config section; its own checks name the bad field."""
     values = OmegaConf.to_container(node, resolve=True)
     hints = typing.get_type_hints(cls)
+    json_fields = {f.name for f in dataclasses.fields(cls) if f.metadata.get("json")}
     for key, value in values.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
             values[key] = tuple(value)
         if typing.get_origin(hints.get(key)) is dict:
             values[key] = _int_keys(f"{section}.{key}", value)
+        if key in json_fields and isinstance(value, dict | list):
+            values[key] = json.dumps(value)
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _json_object(text: Any) -> bool:
+    try:
+        return isinstance(text, str) and isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _number(value: Any) -> bool:
@@ -36,6 +44,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit, in [-100, 100]
     min_tokens: int = 0  # end-of-sequence and stop tokens (and stop strings) are held off until this many
+    # Constrained decoding (at most one): the output must be JSON valid under this schema (JSON text; a job's
+    # config may give a mapping), match this regular expression, or be exactly one of these strings.
+    json_schema: str | None = field(default=None, metadata={"json": True})
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,8 +86,20 @@ class SamplingParams:
             problems.append(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {self.logit_bias!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             problems.append(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.json_schema is not None and not _json_object(self.json_schema):
+            problems.append(f"json_schema must be a JSON object (as text), got {self.json_schema!r:.80}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            problems.append(f"regex must be a non-empty string or null, got {self.regex!r}")
+        if any(not isinstance(c, str) or not c for c in self.choice):
+            problems.append(f"choice must be a list of non-empty strings, got {list(self.choice)!r}")
+        if sum(x not in (None, ()) for x in (self.json_schema, self.regex, self.choice)) > 1:
+            problems.append("give at most one of json_schema, regex and choice")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or bool(self.choice)
 
     @property
     def penalized(self) -> bool:
@@ -106,7 +131,7 @@ class Result:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "incomplete" (max_tokens hit before the constraint was met) | "error"
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     logprob_tokens: list[dict[int, str]] | None = None  # the same token ids as text

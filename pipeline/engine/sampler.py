@@ -1,6 +1,7 @@
 """Turn each sampling row's logits into its next token, per request parameters.
 
-First the logits are adjusted (greedy and sampled rows alike): `logit_bias` is added; under `min_tokens`
+First the logits are adjusted (greedy and sampled rows alike): tokens a row's constraint forbids are
+masked (`pipeline.engine.constraints`); `logit_bias` is added; under `min_tokens`
 the end-of-sequence and stop tokens are masked; then the penalties (vLLM's semantics, see `SamplingParams`)
 apply: repetition over prompt + output tokens, presence and frequency over output tokens. Greedy rows then
 take the argmax. Sampled rows apply, in this order: temperature, top-k, top-p (on the top-k
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.engine.sequence import Sequence
+
+# (rows of the batch, their allowed next tokens [len(rows), V] bool): constrained decoding's mask.
+Allowed = tuple[list[int], torch.Tensor]
 
 
 @dataclass
@@ -67,25 +71,33 @@ def penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:
-    """The logits a request's parameters ask to draw from: bias, `min_tokens` mask, then penalties."""
+def adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int],
+           allowed: Allowed | None = None) -> torch.Tensor:
+    """The logits a request's parameters ask to draw from: constraint mask, bias, `min_tokens` mask (not for
+    constrained rows: their constraint says when they may end), then penalties."""
+    if allowed is not None:
+        rows, mask = allowed
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits[index] = logits[index].masked_fill(~mask.to(logits.device), float("-inf"))
     for i, seq in enumerate(seqs):
         sp = seq.sampling
         if sp.logit_bias:
             ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=logits.device)
             logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), device=logits.device)
-        if seq.num_output_tokens < sp.min_tokens:
+        if seq.num_output_tokens < sp.min_tokens and not sp.constrained:
             banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
             logits[i, sorted(banned)] = float("-inf")
     return penalize(logits, seqs)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset()) -> Sampled:
-    """One token per row of `logits` [R, V] (float32), row i belonging to seqs[i]. Logprobs are of the
-    logits as given; the draw is from the adjusted ones."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset(),
+           allowed: Allowed | None = None) -> Sampled:
+    """One token per row of `logits` [R, V] (float32), row i belonging to seqs[i]; `allowed` masks the
+    constrained rows. Logprobs are of the logits as given; the draw is from the adjusted ones."""
     raw = logits
-    if any(s.sampling.logit_bias or s.sampling.min_tokens or s.sampling.penalized for s in seqs):
-        logits = adjust(logits.clone(), seqs, eos_token_ids)
+    if allowed is not None or any(s.sampling.logit_bias or s.sampling.min_tokens or s.sampling.penalized
+                                  for s in seqs):
+        logits = adjust(logits.clone(), seqs, eos_token_ids, allowed)
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if sampled_rows:

@@ -56,6 +56,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     num_children: int = 0  # samples of the same request still to fork from this one after its prefill
+    matcher: Any = None  # the constraint's grammar state (llguidance.LLMatcher) when the request has one
 
     @property
     def num_tokens(self) -> int:

@@ -37,10 +37,12 @@ def _is_bias_map(t: pa.DataType) -> bool:
 
 
 def _kind(key: str) -> str:
-    """int | float | bool | strings | ints | bias: how `key`'s column is typed and read."""
+    """int | float | bool | text | strings | ints | bias: how `key`'s column is typed and read."""
     hint = _HINTS[key]
     if hint in (int, int | None):
         return "int"
+    if hint == str | None:
+        return "text"
     if typing.get_origin(hint) is tuple:
         return "strings" if typing.get_args(hint)[0] is str else "ints"
     if typing.get_origin(hint) is dict:
@@ -52,6 +54,7 @@ _ACCEPTS: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
     "int": (_is_number, "an integer"),
     "float": (_is_number, "a number"),
     "bool": (pa.types.is_boolean, "a boolean"),
+    "text": (_is_text, "string"),
     "strings": (_is_list_of(_is_text), "list<string> or JSON text"),
     "ints": (_is_list_of(pa.types.is_integer), "list<integer> or JSON text"),
     "bias": (_is_bias_map, "map<integer, number> or JSON text"),

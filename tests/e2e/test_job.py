@@ -276,3 +276,60 @@ def test_gguf_quant_needs_a_gguf_file(tmp_path, tiny_model_dir):
     with pytest.raises(JobError, match="gguf"):
         run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", tmp_path / "out", "model.quant=gguf"),
             stdout=io.StringIO())
+
+
+CONSTRAINT_SCHEMAS = [
+    {"type": "object", "properties": {"label": {"enum": ["pos", "neg", "neutral"]}}, "required": ["label"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 5},
+                                      "ok": {"type": "boolean"}},
+     "required": ["score", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+]
+
+
+def test_constrained_columns_over_100_rows(tmp_path, tiny_model_dir):
+    """Per-row json_schema / regex / choice columns, n=2 sampled: every output that is not an error row parses
+    and validates against its own row's schema (jsonschema), matches its regex, or is one of its choices."""
+    import re
+
+    import jsonschema
+
+    rows = []
+    for i in range(100):
+        row = {"id": i, "prompt": f"Label item {i} of the list.", "json_schema": None, "regex": None, "choice": None}
+        kind = i % 5
+        if kind < 3:
+            row["json_schema"] = json.dumps(CONSTRAINT_SCHEMAS[kind])
+        elif kind == 3:
+            row["regex"] = r"[A-Z][a-z]{1,4}-[0-9]{2}"
+        else:
+            row["choice"] = ["alpha", "beta", "gamma delta"]
+        rows.append(row)
+    rows[7]["json_schema"] = '{"type": "object", "properties": 5}'  # a schema the grammar cannot compile
+    table = pa.Table.from_pylist(rows, pa.schema([("id", pa.int64()), ("prompt", pa.string()),
+                                                  ("json_schema", pa.string()), ("regex", pa.string()),
+                                                  ("choice", pa.list_(pa.string()))]))
+    pq.write_table(table, tmp_path / "in.parquet")
+    run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.max_tokens=24", "sampling.n=2",
+            "sampling.temperature=0.8", "sampling.seed=5", "output.rows_per_part=25",
+            "input.chat_template=false"), stdout=io.StringIO())
+    out = pl.read_parquet(str(tmp_path / "out" / "*.parquet")).sort(["id", "sample_index"]).to_dicts()
+    assert len(out) == 200
+    completed = 0
+    for r in out:
+        source = rows[r["id"]]
+        if r["error"] is not None:
+            assert r["finish_reason"] in ("error", "incomplete")
+            continue
+        assert r["finish_reason"] == "stop", r
+        completed += 1
+        if source["json_schema"]:
+            jsonschema.validate(json.loads(r["text"]), json.loads(source["json_schema"]))
+        elif source["regex"]:
+            assert re.fullmatch(source["regex"], r["text"])
+        else:
+            assert r["text"] in source["choice"]
+    assert completed >= 150  # the constraints are short: most samples finish within 24 tokens
+    bad = [r for r in out if r["id"] == 7]
+    assert all(r["finish_reason"] == "error" and "json_schema" in r["error"] for r in bad)
