@@ -36,7 +36,8 @@ OUTPUT_MODES = ("resume", "overwrite", "fail_if_exists")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # Columns the job writes itself; a passthrough column may not take one of these names.
 RESULT_COLUMNS = (
-    "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_tokens", "cached_tokens", "completion_tokens",
+    "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_logprobs",
+    "prompt_tokens", "cached_tokens", "completion_tokens",
     "finish_reason", "error",
 )
 

@@ -120,7 +120,7 @@ class _Run:
         for index in range(self.cfg.sampling.n):
             self.writer.add(unit, position, {
                 **base, "sample_index": index, "text": None, "token_ids": None, "logprobs": None,
-                "logprob_tokens": None,
+                "logprob_tokens": None, "prompt_logprobs": None,
                 "prompt_tokens": prompt_tokens, "cached_tokens": 0, "completion_tokens": 0,
                 "finish_reason": "error", "error": error,
             })
@@ -133,7 +133,8 @@ class _Run:
         self.writer.add(entry.unit, entry.position, {
             **entry.base, "sample_index": result.sample_index, "text": result.text,
             "token_ids": result.token_ids, "logprobs": result.logprobs,
-            "logprob_tokens": result.logprob_tokens, "prompt_tokens": result.prompt_tokens,
+            "logprob_tokens": result.logprob_tokens, "prompt_logprobs": result.prompt_logprobs,
+            "prompt_tokens": result.prompt_tokens,
             "cached_tokens": result.cached_tokens, "completion_tokens": result.completion_tokens,
             "finish_reason": result.finish_reason, "error": result.error,
         })
@@ -163,7 +164,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     log.info("input: %d rows in %d files", source.total_rows, len(source.files))
     passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
     schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids,
-                           cfg.sampling.logprobs > 0 or "logprobs" in types)  # a row may ask for logprobs
+                           cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
+                           cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
     model_path, model_name = _model_path(cfg)
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
         from pipeline.parallel.runner import serve_as_torchrun_worker

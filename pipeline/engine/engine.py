@@ -19,7 +19,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.constraints import Constraints, constraint_key
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.request import Request, Result, SamplingParams
-from pipeline.engine.runner import Runner, RunnerFactory, build_batch, kv_bytes_per_block
+from pipeline.engine.runner import PromptSpan, Runner, RunnerFactory, build_batch, kv_bytes_per_block
 from pipeline.engine.sampler import Allowed, sample
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
@@ -154,7 +154,7 @@ class Engine:
         if self.scheduler.waiting:
             stats.steady_steps += 1
             stats.steady_running_sum += len(work)
-        batch, samplers = build_batch(work, self.config.block_size, self.kv.pending_copies)
+        batch, samplers, prompt_spans = build_batch(work, self.config.block_size, self.kv.pending_copies)
         self.kv.pending_copies = []
         constrained = [i for i, seq in enumerate(samplers) if seq.matcher is not None]
         masks = self._constraints.start_masks([samplers[i].matcher for i in constrained]) if constrained else None
@@ -169,6 +169,9 @@ class Engine:
             seq.num_computed += n
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
+        if prompt_spans:
+            self._prompt_logprobs(logits[len(samplers):], prompt_spans)
+            logits = logits[: len(samplers)]
         rows, samplers = self._fork_children(samplers)
         t3 = time.perf_counter()
         if len(rows) > logits.shape[0]:  # forked samples share their parent's row
@@ -192,6 +195,22 @@ class Engine:
         stats.schedule_time += (t1 - t0) + (t3 - t2) + (t5 - t4)
         stats.total_time += t5 - t0
         return finished
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
+        """Record each span's prompt logprobs (once: a preempted sequence recomputes its positions)."""
+        lp = torch.log_softmax(logits, dim=-1)
+        row = 0
+        for seq, span in spans:
+            k = seq.sampling.prompt_logprobs
+            top_v, top_i = lp[row : row + len(span)].topk(k, dim=-1)
+            for j, p in enumerate(span):
+                if len(seq.prompt_logprobs) == p + 1:
+                    entry = dict(zip(top_i[j].tolist(), top_v[j].tolist()))
+                    actual = seq.token_ids[p + 1]
+                    entry[actual] = float(lp[row + j, actual])
+                    seq.prompt_logprobs.append(entry)
+            row += len(span)
 
     def _allowed(self, samplers: list[Sequence], rows: list[int], masks: Future | None) -> Allowed | None:
         """The constrained rows and their masks: those computed during the forward pass, plus the samples
@@ -282,6 +301,8 @@ class Engine:
             seq.decoder = self.tokenizer.incremental_decoder()
         if sampling.logprobs:
             seq.logprobs = []
+        if sampling.prompt_logprobs:
+            seq.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
         return seq
 
     def _fork_children(self, samplers: list[Sequence]) -> tuple[list[int], list[Sequence]]:
@@ -294,6 +315,7 @@ class Engine:
                     parent.sampling, parent.base_seed,
                 )
                 child.num_cached = parent.num_cached
+                child.prompt_logprobs = parent.prompt_logprobs  # the same prompt, scored once
                 if parent.matcher is not None:  # a fresh one: the parent's may be in the mask thread now
                     child.matcher = self._constraints.matcher(parent.sampling)
                 if not self.kv.fork(parent, child):  # no block for its copy: recompute later instead
@@ -355,6 +377,7 @@ class Engine:
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=max(0, seq.num_cached),
             completion_tokens=len(output), finish_reason=seq.finish_reason, error=self._constraint_error(seq),
             logprobs=seq.logprobs, logprob_tokens=self._token_strings(seq.logprobs),
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def _constraint_error(self, seq: Sequence) -> str | None:

@@ -39,6 +39,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # top-k logprobs of each chosen token; 0 = off
+    prompt_logprobs: int = 0  # top-k logprobs (and the actual token's) at each prompt position; 0 = off
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages any token of the prompt or output
     presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
     frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
@@ -70,6 +71,8 @@ class SamplingParams:
             problems.append(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        if not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20:
+            problems.append(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             problems.append(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
@@ -135,3 +138,5 @@ class Result:
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     logprob_tokens: list[dict[int, str]] | None = None  # the same token ids as text
+    # per prompt token (None for the first): the top-k prompt_logprobs and the actual token's log-probability
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -53,11 +53,16 @@ class StepBatch:
         return StepBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
+# A sequence and the prompt positions of this step whose logits give its prompt logprobs.
+PromptSpan = tuple[Sequence, range]
+
+
 def build_batch(
     work: list[tuple[Sequence, int]], block_size: int, block_copies: list[tuple[int, int]] = ()
-) -> tuple[StepBatch, list[Sequence]]:
-    """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch and the sequences that
-    sample this step, in the order of `logits_rows`."""
+) -> tuple[StepBatch, list[Sequence], list[PromptSpan]]:
+    """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch, the sequences that sample
+    this step (the first rows of `logits_rows`, in order) and the prompt positions whose logits follow them
+    (requests with prompt_logprobs: position p's logits score prompt token p + 1)."""
     work = sorted(work, key=lambda w: w[1] > 1)  # single-token rows first, stable
     ids: list[int] = []
     positions: list[int] = []
@@ -66,8 +71,14 @@ def build_batch(
     lens: list[int] = []
     rows: list[int] = []
     samplers: list[Sequence] = []
+    spans: list[PromptSpan] = []
+    prompt_rows: list[int] = []
     for seq, n in work:
         lo = seq.num_computed
+        if seq.sampling.prompt_logprobs and lo < seq.num_prompt_tokens - 1:
+            span = range(lo, min(lo + n, seq.num_prompt_tokens - 1))
+            spans.append((seq, span))
+            prompt_rows.extend(starts[-1] + p - lo for p in span)
         ids.extend(seq.token_ids[lo : lo + n])
         positions.extend(range(lo, lo + n))
         table = seq.block_table
@@ -89,10 +100,10 @@ def build_batch(
         context_lens=torch.tensor(lens, dtype=torch.long),
         block_tables=tables,
         num_decodes=sum(1 for _, n in work if n == 1),
-        logits_rows=torch.tensor(rows, dtype=torch.long),
+        logits_rows=torch.tensor(rows + prompt_rows, dtype=torch.long),
         block_copies=torch.tensor(list(block_copies), dtype=torch.long).reshape(-1, 2),
     )
-    return batch, samplers
+    return batch, samplers, spans
 
 
 class PagedAttention:

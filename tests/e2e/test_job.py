@@ -215,7 +215,7 @@ def test_sample_data_as_chat_messages(tmp_path, tiny_model_dir):
 def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
     pq.write_table(pa.table({"id": [1, 2], "prompt": ["Tell me a story.", "Count to three."]}), tmp_path / "in.parquet")
     run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.logprobs=3",
-            "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
+            "sampling.prompt_logprobs=1", "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
     table = pq.read_table(next((tmp_path / "out").glob("part-*.parquet")))
     assert table.schema.field("logprobs").type == pa.list_(pa.map_(pa.int32(), pa.float32()))
     for r in table.to_pylist():
@@ -233,6 +233,9 @@ def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
             hidden = tiny_loaded.model(torch.tensor(prompt), torch.arange(len(prompt)), attn)
             ref = torch.log_softmax(tiny_loaded.model.compute_logits(hidden[-1:])[0], -1).topk(3)
         assert sorted(steps[0]) == sorted(ref.indices.tolist())
+        scored = r["prompt_logprobs"]  # the engine's figures are tested in tests/engine/test_engine.py
+        assert len(scored) == r["prompt_tokens"] and scored[0] is None
+        assert all(prompt[p] in dict(scored[p]) for p in range(1, len(prompt)))
         assert [steps[0][i] for i in ref.indices.tolist()] == pytest.approx(ref.values.tolist(), abs=1e-4)
 
 
