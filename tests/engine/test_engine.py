@@ -288,7 +288,7 @@ def test_prompt_logprobs_match_a_plain_forward_pass(tiny):
     results, engine = run(tiny, [Request(i, p, sp) for i, p in enumerate(prompts)], max_batched_tokens=8,
                           block_size=4)
     model = tiny.model
-    for (rid, index), r in results.items():
+    for (rid, _), r in results.items():
         prompt = prompts[rid]
         cache = ContiguousKVCache(model.config.num_layers, model.scale)
         with torch.no_grad():
