@@ -13,3 +13,4 @@ from pipeline.model.families.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
 BY_HF_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.hf_architectures}
+BY_GGUF_ARCHITECTURE = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}

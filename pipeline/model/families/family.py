@@ -14,3 +14,5 @@ class Family:
     # config.json's `sliding_window` applies to every layer. False: the family has no window, or only an
     # opt-in per-layer one (`use_sliding_window`, refused when set).
     sliding_window: bool = False
+    gguf_architecture: str | None = None  # GGUF `general.architecture` of this family (None: not read)
+    gguf_permuted_qk: bool = False  # llama.cpp's converter permuted Q/K rows for its RoPE layout (llama only)

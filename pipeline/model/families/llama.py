@@ -2,4 +2,4 @@
 
 from pipeline.model.families.family import Family
 
-FAMILY = Family("llama", ("LlamaForCausalLM",))
+FAMILY = Family("llama", ("LlamaForCausalLM",), gguf_architecture="llama", gguf_permuted_qk=True)

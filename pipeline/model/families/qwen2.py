@@ -2,4 +2,4 @@
 
 from pipeline.model.families.family import Family
 
-FAMILY = Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True)
+FAMILY = Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, gguf_architecture="qwen2")

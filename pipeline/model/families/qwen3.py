@@ -2,4 +2,4 @@
 
 from pipeline.model.families.family import Family
 
-FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True)
+FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True, gguf_architecture="qwen3")
