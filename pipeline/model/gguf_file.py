@@ -21,7 +21,6 @@ from pipeline.model.families import BY_GGUF_ARCHITECTURE
 from pipeline.model.gguf_format import GGUFFile
 from pipeline.model.tokenizer import Tokenizer
 
-
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
