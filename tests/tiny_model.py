@@ -62,6 +62,8 @@ def tiny_state_dict(config: dict, seed: int) -> dict[str, torch.Tensor]:
             p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
         }
+        if config.get("model_type") == "qwen3":  # per-head q/k RMSNorm weights
+            sd |= {p + "self_attn.q_norm.weight": rand(d, mean=1.0), p + "self_attn.k_norm.weight": rand(d, mean=1.0)}
         if bias:
             sd |= {
                 p + f"self_attn.{x}_proj.bias": rand(n_out) for x, n_out in (("q", q), ("k", kv), ("v", kv))

@@ -8,15 +8,17 @@ parameters, empty or too long prompts, unknown token ids) come back as `finish_r
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from pipeline.engine.config import EngineConfig
+from pipeline.engine.constraints import Constraints, constraint_key
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.request import Request, Result, SamplingParams
-from pipeline.engine.runner import Runner, RunnerFactory, build_batch, kv_bytes_per_block
-from pipeline.engine.sampler import sample
+from pipeline.engine.runner import PromptSpan, Runner, RunnerFactory, build_batch, kv_bytes_per_block
+from pipeline.engine.sampler import Allowed, sample
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
 from pipeline.engine.stats import EngineStats
@@ -68,6 +70,7 @@ class Engine:
         else:
             self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._constraints: Constraints | None = None  # built at the first constrained request
         self.stats = EngineStats()
         self._update_gauges()
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -145,8 +148,10 @@ class Engine:
         if self.scheduler.waiting:
             stats.steady_steps += 1
             stats.steady_running_sum += len(work)
-        batch, samplers = build_batch(work, self.config.block_size, self.kv.pending_copies)
+        batch, samplers, prompt_spans = build_batch(work, self.config.block_size, self.kv.pending_copies)
         self.kv.pending_copies = []
+        constrained = [i for i, seq in enumerate(samplers) if seq.matcher is not None]
+        masks = self._constraints.start_masks([samplers[i].matcher for i in constrained]) if constrained else None
         t1 = self._clock.stamp()
         attention_before = self.runner.attn.attention_seconds
         logits = self.runner.execute(batch)
@@ -158,11 +163,15 @@ class Engine:
             seq.num_computed += n
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
+        if prompt_spans:
+            self._prompt_logprobs(logits[len(samplers):], prompt_spans)
+            logits = logits[: len(samplers)]
         rows, samplers = self._fork_children(samplers)
         t3 = self._clock.stamp()
         if len(rows) > logits.shape[0]:  # forked samples share their parent's row
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        sampled = sample(logits, samplers)  # copies the sampled ids to the host: the step's one sync
+        # copies the sampled ids to the host: the step's one sync
+        sampled = sample(logits, samplers, self.eos_token_ids, self._allowed(samplers, constrained, masks))
         t4 = self._clock.stamp()
         finished = []
         for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
@@ -183,6 +192,34 @@ class Engine:
         self._update_gauges()
         return finished
 
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
+        """Record each span's prompt logprobs (once: a preempted sequence recomputes its positions)."""
+        lp = torch.log_softmax(logits, dim=-1)
+        row = 0
+        for seq, span in spans:
+            k = seq.sampling.prompt_logprobs
+            top_v, top_i = lp[row : row + len(span)].topk(k, dim=-1)
+            for j, p in enumerate(span):
+                if len(seq.prompt_logprobs) == p + 1:
+                    entry = dict(zip(top_i[j].tolist(), top_v[j].tolist()))
+                    actual = seq.token_ids[p + 1]
+                    entry[actual] = float(lp[row + j, actual])
+                    seq.prompt_logprobs.append(entry)
+            row += len(span)
+
+    def _allowed(self, samplers: list[Sequence], rows: list[int], masks: Future | None) -> Allowed | None:
+        """The constrained rows and their masks: those computed during the forward pass, plus the samples
+        forked in this step (computed now; it happens once per request with n > 1)."""
+        known = set(rows)
+        late = [i for i, seq in enumerate(samplers) if seq.matcher is not None and i not in known]
+        if masks is None and not late:
+            return None
+        parts = [masks.result()] if masks is not None else []
+        if late:
+            parts.append(self._constraints.masks([samplers[i].matcher for i in late]))
+        return rows + late, torch.cat(parts)
+
     # -- requests in ----------------------------------------------------------------------------------
     def _intake(self, request: Request) -> Sequence | list[Result]:
         """A waiting Sequence for a valid request, else its error results."""
@@ -194,6 +231,13 @@ class Engine:
             elif not isinstance(sampling, SamplingParams):
                 raise ValueError(f"sampling must be SamplingParams or a mapping, got {type(sampling).__name__}")
             problem = self._prompt_problem(getattr(request, "prompt_token_ids", None))
+            problem = problem or self._token_id_problem(sampling)
+            matcher = None
+            if sampling.constrained and not problem:
+                try:
+                    matcher = self._matcher(sampling)
+                except ValueError as e:  # a bad schema or regex: this request's samples are error results
+                    problem = str(e)
             if sampling.n > self.config.max_batch_size:
                 problem = problem or f"n={sampling.n} exceeds engine.max_batch_size={self.config.max_batch_size}"
         except (TypeError, ValueError) as exc:
@@ -207,6 +251,7 @@ class Engine:
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt)
         seq = self._sequence(rid, 0, prompt, sampling, seed)
+        seq.matcher = matcher
         seq.num_children = sampling.n - 1
         return seq
 
@@ -223,6 +268,24 @@ class Engine:
             )
         return None
 
+    def _matcher(self, sampling: SamplingParams) -> Any:
+        """The request's grammar matcher; ValueError naming the constraint key when it cannot be used."""
+        if self._constraints is None:
+            hf = getattr(self.tokenizer, "hf", None)
+            if hf is None:
+                raise ValueError(f"{constraint_key(sampling)}: constrained decoding needs the model's own "
+                                 "(Hugging Face `tokenizers`) tokenizer")
+            self._constraints = Constraints(hf.to_str(), self.model_config.vocab_size, tuple(self.eos_token_ids))
+        return self._constraints.matcher(sampling)
+
+    def _token_id_problem(self, sampling: SamplingParams) -> str | None:
+        vocab = self.model_config.vocab_size
+        for key in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(sampling, key) if t >= vocab]
+            if bad:
+                return f"{key} has token ids outside 0..{vocab - 1}: {bad[:5]}"
+        return None
+
     def _sequence(self, rid: Any, index: int, tokens: list[int], sampling: SamplingParams, seed: int) -> Sequence:
         generator = None if sampling.greedy else torch.Generator().manual_seed(sample_seed(seed, index))
         seq = Sequence(
@@ -234,6 +297,8 @@ class Engine:
             seq.decoder = self.tokenizer.incremental_decoder()
         if sampling.logprobs:
             seq.logprobs = []
+        if sampling.prompt_logprobs:
+            seq.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
         return seq
 
     def _fork_children(self, samplers: list[Sequence]) -> tuple[list[int], list[Sequence]]:
@@ -246,6 +311,9 @@ class Engine:
                     parent.sampling, parent.base_seed,
                 )
                 child.num_cached = parent.num_cached
+                child.prompt_logprobs = parent.prompt_logprobs  # the same prompt, scored once
+                if parent.matcher is not None:  # a fresh one: the parent's may be in the mask thread now
+                    child.matcher = self._constraints.matcher(parent.sampling)
                 if not self.kv.fork(parent, child):  # no block for its copy: recompute later instead
                     self.scheduler.waiting.appendleft(child)
                     continue
@@ -263,34 +331,62 @@ class Engine:
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs)
         sp = seq.sampling
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+        if self._stop_token(sp, token):
             seq.finish_reason = "stop"
             return True
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                seq.finish_reason = "error"
+                return True
+            if seq.matcher.is_stopped():  # the constraint is complete and allows nothing more
+                seq.finish_reason = "stop"
+                return True
         if seq.decoder is not None:
             tail = len(seq.text)
             seq.text += seq.decoder.push(token)
-            for stop in sp.stop:
+            for stop in sp.stop if seq.num_output_tokens > sp.min_tokens else ():
                 at = seq.text.find(stop, max(0, tail - len(stop) + 1))
                 if at >= 0:
                     seq.text = seq.text[:at]
                     seq.finish_reason = "stop"
                     return True
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+            incomplete = seq.matcher is not None and not seq.matcher.is_accepting()
+            seq.finish_reason = "incomplete" if incomplete else "length"
             return True
         return False
+
+    def _stop_token(self, sp: SamplingParams, token: int) -> bool:
+        return token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
 
     def _result(self, seq: Sequence) -> Result:
         output = seq.output_ids
         if seq.decoder is not None:
             text = seq.text
         else:
-            stopped_by_token = seq.finish_reason == "stop"
+            stopped_by_token = seq.finish_reason == "stop" and self._stop_token(seq.sampling, output[-1])
             text = self.tokenizer.decode(output[:-1] if stopped_by_token else output)
         if seq.sample_index == 0:
             self.stats.cached_tokens += max(0, seq.num_cached)
         return Result(
             id=seq.request_id, sample_index=seq.sample_index, token_ids=output, text=text,
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=max(0, seq.num_cached),
-            completion_tokens=len(output), finish_reason=seq.finish_reason, logprobs=seq.logprobs,
+            completion_tokens=len(output), finish_reason=seq.finish_reason, error=self._constraint_error(seq),
+            logprobs=seq.logprobs, logprob_tokens=self._token_strings(seq.logprobs),
+            prompt_logprobs=seq.prompt_logprobs,
         )
+
+    def _constraint_error(self, seq: Sequence) -> str | None:
+        """Why a constrained sample's output does not satisfy its constraint (None when it does)."""
+        key = constraint_key(seq.sampling) if seq.matcher is not None else None
+        if seq.finish_reason == "incomplete":
+            return f"output did not complete its {key} within max_tokens={seq.sampling.max_tokens}"
+        if seq.finish_reason == "error" and key:
+            return f"{key}: the grammar rejected a sampled token: {seq.matcher.get_error()}"
+        return None
+
+    def _token_strings(self, logprobs: list[dict[int, float]] | None) -> list[dict[int, str]] | None:
+        """Each logprobs entry's tokens as text (special tokens spelled out), as OpenAI's `token` field."""
+        if logprobs is None:
+            return None
+        return [{t: self.tokenizer.decode([t], skip_special_tokens=False) for t in entry} for entry in logprobs]

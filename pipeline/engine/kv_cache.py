@@ -69,11 +69,14 @@ class KVCacheManager:
     # -- prefix cache -------------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks equal to the leading full blocks of seq, stopping >= 1 token short of its end
-        (the last position must be computed to get logits)."""
+        (the last position must be computed to get logits). None for a request that wants prompt logprobs:
+        every prompt position's logits are needed."""
         if not self.prefix_caching:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq, self.block_size, limit * self.block_size)
+        if seq.sampling.prompt_logprobs:  # hashes still wanted: its blocks get cached for others
+            return []
         matched: list[int] = []
         parent_serial = _ROOT
         for i in range(limit):
@@ -90,7 +93,7 @@ class KVCacheManager:
         """(block, r): a registered block continuing the matched chain whose first r >= 1 tokens equal
         seq's next tokens (the longest such), so those r positions can be copied instead of computed.
         Token-level reuse past the last shared full block: rows sharing a prefix that ends mid-block."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.sampling.prompt_logprobs:
             return None
         start = len(matched) * self.block_size
         want = seq.token_ids[start : start + min(self.block_size, seq.num_tokens - 1 - start)]

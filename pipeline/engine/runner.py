@@ -53,11 +53,16 @@ class StepBatch:
         return StepBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
+# A sequence and the prompt positions of this step whose logits give its prompt logprobs.
+PromptSpan = tuple[Sequence, range]
+
+
 def build_batch(
     work: list[tuple[Sequence, int]], block_size: int, block_copies: list[tuple[int, int]] = ()
-) -> tuple[StepBatch, list[Sequence]]:
-    """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch and the sequences that
-    sample this step, in the order of `logits_rows`."""
+) -> tuple[StepBatch, list[Sequence], list[PromptSpan]]:
+    """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch, the sequences that sample
+    this step (the first rows of `logits_rows`, in order) and the prompt positions whose logits follow them
+    (requests with prompt_logprobs: position p's logits score prompt token p + 1)."""
     work = sorted(work, key=lambda w: w[1] > 1)  # single-token rows first, stable
     ids: list[int] = []
     positions: list[int] = []
@@ -66,8 +71,14 @@ def build_batch(
     lens: list[int] = []
     rows: list[int] = []
     samplers: list[Sequence] = []
+    spans: list[PromptSpan] = []
+    prompt_rows: list[int] = []
     for seq, n in work:
         lo = seq.num_computed
+        if seq.sampling.prompt_logprobs and lo < seq.num_prompt_tokens - 1:
+            span = range(lo, min(lo + n, seq.num_prompt_tokens - 1))
+            spans.append((seq, span))
+            prompt_rows.extend(starts[-1] + p - lo for p in span)
         ids.extend(seq.token_ids[lo : lo + n])
         positions.extend(range(lo, lo + n))
         table = seq.block_table
@@ -89,10 +100,10 @@ def build_batch(
         context_lens=torch.tensor(lens, dtype=torch.long),
         block_tables=tables,
         num_decodes=sum(1 for _, n in work if n == 1),
-        logits_rows=torch.tensor(rows, dtype=torch.long),
+        logits_rows=torch.tensor(rows + prompt_rows, dtype=torch.long),
         block_copies=torch.tensor(list(block_copies), dtype=torch.long).reshape(-1, 2),
     )
-    return batch, samplers
+    return batch, samplers, spans
 
 
 class PagedAttention:
@@ -103,8 +114,10 @@ class PagedAttention:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, scale: float):
+                 dtype: torch.dtype, device: torch.device, scale: float, window: int | None = None):
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        # Sliding window (ModelConfig.sliding_window): blocks wholly before a query's window are not read.
+        self.window = window
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
@@ -124,8 +137,15 @@ class PagedAttention:
         d = batch.num_decodes
         if d:
             lens, tables = batch.context_lens[:d], batch.block_tables[:d]
-            groups = shared_prefixes(tables.tolist(), lens.tolist(), self.block_size)
+            groups = [] if self.window else shared_prefixes(tables.tolist(), lens.tolist(), self.block_size)
             self._decode_order, self._shared = None, []
+            first_key = torch.zeros_like(lens)  # of the row's own pass, relative to its first gathered block
+            if self.window:  # start each row at the block holding its first key in the window
+                visible = (lens - self.window).clamp_(min=0)
+                skip = visible // self.block_size
+                cols = (skip[:, None] + torch.arange(tables.shape[1], device=lens.device)).clamp_(
+                    max=tables.shape[1] - 1)
+                tables, lens, first_key = tables.gather(1, cols), lens - skip * self.block_size, visible % self.block_size
             if groups:  # decode rows regrouped so that each group is a contiguous slice
                 grouped = [row for rows, _ in groups for row in rows]
                 rest = sorted(set(range(d)) - set(grouped))
@@ -146,7 +166,8 @@ class PagedAttention:
             hkv = self.k[0].shape[0]
             keys = torch.arange(width * self.block_size, device=lens.device)  # key positions of a row's own pass
             mask = torch.zeros(d, 1, keys.numel(), dtype=self.k[0].dtype, device=lens.device)
-            mask.masked_fill_((keys[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+            hidden = (keys[None, :] >= lens[:, None]) | (keys[None, :] < first_key[:, None])
+            mask.masked_fill_(hidden[:, None, :], float("-inf"))
             self._decode_mask = mask.repeat(hkv, 1, 1)  # additive, [Hkv * d, 1, L]
             # One gather buffer per step for all layers: fresh large tensors cost page faults every time.
             row = self.block_size * self.k[0].shape[-1]
@@ -154,10 +175,12 @@ class PagedAttention:
                 self._key_buf = self._key_buf.new_empty(self._decode_rows.numel() * row)
                 self._value_buf = self._value_buf.new_empty(self._decode_rows.numel() * row)
         starts, lens = batch.query_start.tolist(), batch.context_lens.tolist()
-        self._prefills = [
-            (starts[b], starts[b + 1], lens[b], self._pool_rows(batch.block_tables[b, : -(-lens[b] // self.block_size)]))
-            for b in range(d, len(lens))
-        ]
+        self._prefills = []
+        for b in range(d, len(lens)):
+            # first block read: the one holding the first query's first key in the window (0 without one)
+            first = max(0, lens[b] - (starts[b + 1] - starts[b]) - self.window + 1) // self.block_size if self.window else 0
+            blocks = batch.block_tables[b, first : -(-lens[b] // self.block_size)]
+            self._prefills.append((starts[b], starts[b + 1], lens[b] - first * self.block_size, self._pool_rows(blocks)))
         for src, dst in batch.block_copies.tolist():
             for pool in (*self.k, *self.v):
                 pool[:, dst].copy_(pool[:, src])
@@ -187,7 +210,7 @@ class PagedAttention:
         for lo, hi, length, rows in self._prefills:
             ks = kp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
             vs = vp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
-            out[lo:hi] = causal_attention(q[lo:hi], ks, vs, length - (hi - lo), self.scale)
+            out[lo:hi] = causal_attention(q[lo:hi], ks, vs, length - (hi - lo), self.scale, self.window)
         self.attention_seconds += time.perf_counter() - t0
         return out
 
@@ -274,7 +297,7 @@ class Runner:
         self.device = device
         self.attn = PagedAttention(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads // model.tp.size, cfg.head_dim,
-            model.dtype, device, model.scale,
+            model.dtype, device, model.scale, cfg.sliding_window,
         )
 
     @torch.inference_mode()

@@ -1,6 +1,10 @@
 """Turn each sampling row's logits into its next token, per request parameters.
 
-Greedy rows take the argmax. Sampled rows apply, in this order: temperature, top-k, top-p (on the top-k
+First the logits are adjusted (greedy and sampled rows alike): tokens a row's constraint forbids are
+masked (`pipeline.engine.constraints`); `logit_bias` is added; under `min_tokens`
+the end-of-sequence and stop tokens are masked; then the penalties (vLLM's semantics, see `SamplingParams`)
+apply: repetition over prompt + output tokens, presence and frequency over output tokens. Greedy rows then
+take the argmax. Sampled rows apply, in this order: temperature, top-k, top-p (on the top-k
 renormalized distribution), min-p (relative to the most likely token), then draw by inverse CDF with one
 uniform number from the sequence's own `torch.Generator`. Every operation is row-wise, so a seeded request
 draws the same tokens alone or in any batch. Logprobs, when asked, are of the model's own distribution
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.engine.sequence import Sequence
+
+# (rows of the batch, their allowed next tokens [len(rows), V] bool): constrained decoding's mask.
+Allowed = tuple[list[int], torch.Tensor]
 
 
 @dataclass
@@ -40,8 +47,57 @@ def filter_probs(
     return sorted_p, order
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-    """One token per row of `logits` [R, V] (float32), row i belonging to seqs[i]."""
+def penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties applied to rows [R, V] (in place), row i for seqs[i]."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.penalized]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[-1]
+    sub = logits[rows]
+    counts = torch.zeros(len(rows), vocab, device=dev)  # occurrences in the output
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)  # anywhere in prompt or output
+    for r, i in enumerate(rows):
+        seq = seqs[i]
+        out = torch.tensor(seq.output_ids, dtype=torch.long, device=dev)
+        counts[r].scatter_add_(0, out, torch.ones(len(out), device=dev))
+        seen[r, torch.tensor(seq.token_ids, dtype=torch.long, device=dev)] = True
+    params = [seqs[i].sampling for i in rows]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    sub = sub - freq * counts - presence * (counts > 0)
+    logits[rows] = sub
+    return logits
+
+
+def adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int],
+           allowed: Allowed | None = None) -> torch.Tensor:
+    """The logits a request's parameters ask to draw from: constraint mask, bias, `min_tokens` mask (not for
+    constrained rows: their constraint says when they may end), then penalties."""
+    if allowed is not None:
+        rows, mask = allowed
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits[index] = logits[index].masked_fill(~mask.to(logits.device), float("-inf"))
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling
+        if sp.logit_bias:
+            ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), device=logits.device)
+        if seq.num_output_tokens < sp.min_tokens and not sp.constrained:
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
+            logits[i, sorted(banned)] = float("-inf")
+    return penalize(logits, seqs)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset(),
+           allowed: Allowed | None = None) -> Sampled:
+    """One token per row of `logits` [R, V] (float32), row i belonging to seqs[i]; `allowed` masks the
+    constrained rows. Logprobs are of the logits as given; the draw is from the adjusted ones."""
+    raw = logits
+    if allowed is not None or any(s.sampling.logit_bias or s.sampling.min_tokens or s.sampling.penalized
+                                  for s in seqs):
+        logits = adjust(logits.clone(), seqs, eos_token_ids, allowed)
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if sampled_rows:
@@ -64,7 +120,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     logprobs: list[dict[int, float] | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
+        lp = torch.log_softmax(raw[want], dim=-1)
         k = max(seqs[i].sampling.logprobs for i in want)
         top_v, top_i = lp.topk(k, dim=-1)
         for row, i in enumerate(want):

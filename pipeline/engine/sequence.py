@@ -54,8 +54,10 @@ class Sequence:
     text: str = ""
     decoder: Any = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # entry p: of prompt token p given 0..p-1
     finish_reason: str | None = None
     num_children: int = 0  # samples of the same request still to fork from this one after its prefill
+    matcher: Any = None  # the constraint's grammar state (llguidance.LLMatcher) when the request has one
 
     @property
     def num_tokens(self) -> int:

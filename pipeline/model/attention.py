@@ -18,10 +18,11 @@ class AttentionBackend(Protocol):
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """Attention of one sequence's queries q [n, Hq, D] (positions q_start..q_start+n-1) over its
     keys/values k, v [L, Hkv, D] (positions 0..L-1). Softmax in float32; matmuls in the input dtype.
+    With a sliding `window`, the query at p sees only keys p - window < j <= p (Mistral's rule).
 
     A plain matmul-softmax-matmul: on CPU it is faster than torch's bf16 SDPA.
     """
@@ -33,9 +34,12 @@ def causal_attention(
     kt = k.permute(1, 2, 0)  # [Hkv, D, L]
     scores = torch.matmul(qg, kt).float() * scale  # [Hkv, group*n, L]
     length = k.shape[0]
-    if n > 1 or q_start + n < length:
-        q_pos = torch.arange(q_start, q_start + n, device=q.device).repeat(group)
-        mask = torch.arange(length, device=q.device)[None, :] > q_pos[:, None]
+    if n > 1 or q_start + n < length or (window is not None and length > window):
+        q_pos = torch.arange(q_start, q_start + n, device=q.device).repeat(group)[:, None]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        mask = k_pos > q_pos
+        if window is not None:
+            mask |= k_pos <= q_pos - window
         scores.masked_fill_(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, group*n, D]

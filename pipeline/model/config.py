@@ -43,6 +43,8 @@ class ModelConfig:
     # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     architecture: str = "llama"
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # every layer attends to the last this many positions only (Mistral)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -80,6 +82,8 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         mlp = 3 * h * i
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h

@@ -17,11 +17,9 @@ import numpy as np
 import torch
 
 from pipeline.model.config import ModelConfig
+from pipeline.model.families import BY_GGUF_ARCHITECTURE
 from pipeline.model.gguf_format import GGUFFile
 from pipeline.model.tokenizer import Tokenizer
-
-# GGUF architectures we can run and whose Q/K weights llama.cpp's converter permuted for its RoPE layout.
-SUPPORTED_ARCHITECTURES = ("llama",)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,6 +33,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -93,11 +93,13 @@ class GGUFCheckpoint:
 
     def _read_config(self) -> ModelConfig:
         arch = self._field("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        family = BY_GGUF_ARCHITECTURE.get(arch)
+        if family is None:
             raise ValueError(
                 f"{self.path}: architecture {arch!r} is not supported; expected a Llama-family model "
-                f"(general.architecture in {SUPPORTED_ARCHITECTURES})"
+                f"(general.architecture in {sorted(BY_GGUF_ARCHITECTURE)})"
             )
+        self.family = family
 
         def need(key: str):
             value = self._field(f"{arch}.{key}")
@@ -141,7 +143,8 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self._tensors,
             attention_bias=attn_bias,
             rope_scaling=scaling,
-            architecture=arch,
+            architecture=family.name,
+            qk_norm=family.qk_norm,
         )
 
     def load_tokenizer(self) -> Tokenizer:
@@ -153,7 +156,9 @@ class GGUFCheckpoint:
         return RawTensor(self.file.blocks(name), info.qtype, info.shape)
 
     def _qk_heads(self, name: str) -> int | None:
-        """Heads to un-permute over for a Q or K tensor, None for every other tensor."""
+        """Heads to un-permute over for a Q or K tensor of a family llama.cpp permuted, else None."""
+        if not self.family.gguf_permuted_qk:
+            return None
         kind = name.split(".")[2] if name.startswith("blk.") else ""
         return {"attn_q": self.config.num_heads, "attn_k": self.config.num_kv_heads}.get(kind)
 

@@ -9,35 +9,32 @@ import torch
 from safetensors import safe_open
 
 from pipeline.model.config import ModelConfig, read_json
+from pipeline.model.families import BY_HF_ARCHITECTURE
 from pipeline.model.tokenizer import Tokenizer
 
-# Hugging Face architectures that are this decoder: name -> (family name, whether q/k/v carry a bias).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False),
-    "MistralForCausalLM": ("mistral", False),
-    "Qwen2ForCausalLM": ("qwen2", True),
-}
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def config_from_hf(raw: dict, source: Path) -> ModelConfig:
     """ModelConfig from a parsed config.json; `source` names the file in errors."""
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
+    family = next((BY_HF_ARCHITECTURE[a] for a in archs if a in BY_HF_ARCHITECTURE), None)
+    if family is None:
         raise ValueError(
             f"{source}: architectures={archs} is not supported; expected a Llama-family model "
-            f"(one of {sorted(SUPPORTED_ARCHITECTURES)})"
+            f"(one of {sorted(BY_HF_ARCHITECTURE)})"
         )
-    family, qkv_bias = SUPPORTED_ARCHITECTURES[arch]
-    if raw.get("attention_bias") and not qkv_bias:
+    if raw.get("attention_bias") and not family.qkv_bias:
         raise ValueError(f"{source}: attention_bias=true (a bias on o_proj too) is not supported")
     if raw.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+    if raw.get("use_sliding_window") and not family.sliding_window:
+        raise ValueError(f"{source}: per-layer sliding-window attention (use_sliding_window=true, "
+                         f"sliding_window={raw.get('sliding_window')}) is not supported for {family.name}")
     max_pos = int(raw.get("max_position_embeddings", 2048))
-    if window is not None and window < max_pos:
-        raise ValueError(f"{source}: sliding-window attention (sliding_window={window}) is not supported")
+    window = raw.get("sliding_window") if family.sliding_window else None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{source}: sliding_window={window!r}; expected a positive integer or null")
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         # transformers >= 5 writes rope settings as `rope_parameters`; older configs as rope_theta/rope_scaling.
@@ -55,9 +52,11 @@ def config_from_hf(raw: dict, source: Path) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
+            attention_bias=family.qkv_bias,
             rope_scaling=scaling,
-            architecture=family,
+            architecture=family.name,
+            qk_norm=family.qk_norm,
+            sliding_window=window if window is not None and window < max_pos else None,
         )
     except KeyError as e:
         raise ValueError(f"{source}: required key {e.args[0]!r} is missing") from e

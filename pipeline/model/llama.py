@@ -1,4 +1,8 @@
-"""Llama-family decoder over a flat batch of tokens.
+"""The decoder every supported family shares (Llama layout), over a flat batch of tokens.
+
+Where families differ the difference is a `ModelConfig` field read here: q/k/v biases (Qwen2), q/k
+RMSNorm (Qwen3), a sliding window (Mistral; applied by the attention backend). See
+`pipeline.model.families` for how a family is declared.
 
 `forward(input_ids [T], positions [T], attn)` returns hidden states [T, H]; `compute_logits` turns the
 rows that need sampling into logits. Sequences, caches and batching belong to the attention backend
@@ -32,6 +36,10 @@ class Attention(nn.Module):
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], 0, cfg.attention_bias, tp, dtype
         )
         self.o_proj = ParallelLinear(cfg.q_size, [cfg.hidden_size], 1, False, tp, dtype)
+        if cfg.qk_norm:  # per head, so tensor parallelism needs nothing special
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend):
         t = x.shape[0]
@@ -39,6 +47,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos_sin)
         out = attn.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -148,7 +158,7 @@ class LlamaModel(nn.Module):
                 params[name].data.copy_(full)
                 seen.add(name)
             else:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in the Llama model")
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the {self.config.architecture} model")
         missing = sorted(set(params) - seen)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")

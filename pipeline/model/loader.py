@@ -13,6 +13,7 @@ from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.hf_file import HFCheckpoint
 from pipeline.model.llama import LlamaModel
 from pipeline.model.quant import load_quantized
+from pipeline.model.remote import cached_model, is_url
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.parallel.group import SINGLE, TPGroup
 
@@ -32,6 +33,22 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found in the {DEFAULT_MODEL_PACKAGE} package")
     return path
+
+
+def local_model_path(path: str | None, cache_dir: str | None = None) -> Path:
+    """Where to load `model.path` from: the default SmolLM2 file for None, the local cached copy of an fsspec
+    URL (`pipeline.model.remote`), else the path itself."""
+    if path is None:
+        return default_model_path()
+    if is_url(path):
+        return cached_model(path, cache_dir)[0]
+    return Path(path)
+
+
+def checkpoint_name(path: str | Path) -> str:
+    """A checkpoint's own name, as `load_model` reports it: a GGUF file's stem, a directory's name."""
+    path = Path(path)
+    return path.name if path.is_dir() else path.stem
 
 
 def open_model_file(path: str | Path) -> GGUFCheckpoint | HFCheckpoint:

@@ -6,9 +6,11 @@ and the checkpoint says it wants one. Chat templates are the model's own Jinja2 
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -82,15 +84,27 @@ class Tokenizer:
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self.hf, skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}, ...]) into prompt text with the model's template."""
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` ([{"role", "content"}, ...]) into prompt text with the chat template.
+
+        `kwargs` reach the template as variables (e.g. `enable_thinking`, `tools`), over `bos_token` and
+        `eos_token`, as in Hugging Face's `apply_chat_template`."""
         if self._template is None:
             raise ValueError(f"{self.source} defines no chat template; pass raw prompts instead")
         bos = self.hf.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.hf.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         return self._template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            **{"bos_token": bos, "eos_token": eos, **kwargs},
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
         )
+
+    def with_chat_template(self, template: str, origin: str) -> Tokenizer:
+        """This tokenizer rendering with `template` (Jinja source, compiled sandboxed) instead of the model's
+        own; `origin` names it in errors. Raises ValueError when it does not compile."""
+        other = copy.copy(self)
+        other.chat_template = template
+        other._template = _compile_template(template, origin)
+        return other
 
     # ----------------------------------------------------------------------------------- loaders
 

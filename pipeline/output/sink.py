@@ -26,10 +26,11 @@ METRICS_FILE = "metrics.json"
 
 
 def result_schema(id_type: pa.DataType, passthrough: Mapping[str, pa.DataType], token_ids: bool,
-                  logprobs: bool = False) -> pa.Schema:
+                  logprobs: bool = False, prompt_logprobs: bool = False) -> pa.Schema:
     """The output columns: id (input type), passthrough columns, then the result of each sample.
 
-    `logprobs`: per generated token, a map from token id to log-probability (the top-k and the chosen one).
+    `logprobs`: per generated token, a map from token id to log-probability (the top-k and the chosen one),
+    and `logprob_tokens`, the same ids' text. `prompt_logprobs`: the same map per prompt token (null first).
     """
     fields = [pa.field("id", id_type), *(pa.field(n, t) for n, t in passthrough.items())]
     fields += [pa.field("sample_index", pa.int32()), pa.field("text", pa.string())]
@@ -37,6 +38,9 @@ def result_schema(id_type: pa.DataType, passthrough: Mapping[str, pa.DataType], 
         fields.append(pa.field("token_ids", pa.list_(pa.int32())))
     if logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))))
+        fields.append(pa.field("logprob_tokens", pa.list_(pa.map_(pa.int32(), pa.string()))))
+    if prompt_logprobs:
+        fields.append(pa.field("prompt_logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))))
     fields += [
         pa.field("prompt_tokens", pa.int32()),
         pa.field("cached_tokens", pa.int32()),

@@ -14,7 +14,6 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -92,11 +91,12 @@ def compose_job(argv: list[str]):
 
 
 # ------------------------------------------------------------------------------------------- the model
-def read_model(path: str | None) -> tuple[ModelConfig, Callable[[], object]]:
-    """ModelConfig from GGUF metadata or config.json alone (no weights read), and a tokenizer loader."""
-    from pipeline.model.loader import default_model_path
+def read_model(path: str | None, cache_dir: str | None = None) -> tuple[ModelConfig, Callable[[], object]]:
+    """ModelConfig from GGUF metadata or config.json alone (no weights read), and a tokenizer loader. A
+    remote model is copied into the local cache first (the job will load it from there)."""
+    from pipeline.model.loader import local_model_path
 
-    p = Path(path) if path else default_model_path()
+    p = local_model_path(path, cache_dir)
     if p.is_dir():
         from pipeline.model.hf_file import config_from_hf
         from pipeline.model.tokenizer import Tokenizer
@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
     try:
         opts = load_options(opt_over)
         job = compose_job(job_args)
-        cfg, tokenizer = read_model(job.model.path)
+        cfg, tokenizer = read_model(job.model.path, job.model.cache_dir)
         cfg.check_tensor_parallel(opts.tp)
         hw = load_hardware(hw_name, hw_over)
         max_len = min(job.engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -256,7 +256,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     figures["options"] = asdict(opts)
-    print(json.dumps(figures, indent=2) if opts.json else format_table(job.model.name, figures))
+    from pipeline.model.loader import checkpoint_name, local_model_path
+
+    name = job.model.name or checkpoint_name(local_model_path(job.model.path, job.model.cache_dir))
+    print(json.dumps(figures, indent=2) if opts.json else format_table(name, figures))
     return 0
 
 

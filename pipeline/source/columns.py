@@ -7,6 +7,7 @@ import pyarrow as pa
 from pipeline.config import JobConfig
 from pipeline.errors import JobError
 from pipeline.source.files import ColumnSpec, ParquetSource
+from pipeline.source.sampling_columns import column_type
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -23,18 +24,6 @@ def _is_messages(t: pa.DataType) -> bool:
     return all(_is_text(fields.get(k, pa.null())) for k in ("role", "content"))
 
 
-def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t)
-
-
-_SAMPLING_TYPES = {
-    "max_tokens": (_is_number, "an integer"),
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "seed": (_is_number, "an integer"),
-}
-
-
 def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
     """The columns this job reads, each with the config key that chose it and the types it accepts."""
     inp = cfg.input
@@ -46,8 +35,7 @@ def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
     specs = [prompt, ColumnSpec(inp.id_column, "input.id_column", lambda t: True, "any", required=False)]
     specs += [ColumnSpec(c, "input.passthrough_columns", lambda t: True, "any") for c in inp.passthrough_columns]
     specs += [
-        ColumnSpec(c, "input.sampling_columns", _SAMPLING_TYPES[c][0], _SAMPLING_TYPES[c][1], required=False)
-        for c in inp.sampling_columns
+        ColumnSpec(c, "input.sampling_columns", *column_type(c), required=False) for c in inp.sampling_columns
     ]
     return specs
 

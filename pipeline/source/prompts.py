@@ -14,8 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import fsspec
+
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
+from pipeline.errors import JobError
+from pipeline.source.sampling_columns import cell_value
 
 ROLES = ("system", "user", "assistant")
 
@@ -23,7 +27,9 @@ ROLES = ("system", "user", "assistant")
 class ChatTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
+
+    def with_chat_template(self, template: str, origin: str) -> ChatTokenizer: ...
 
 
 @dataclass
@@ -72,12 +78,39 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _valid(base: SamplingParams, key: str, value: Any) -> bool:
+    """Whether `key=value` alone makes valid sampling parameters (to name the bad column of several)."""
+    try:
+        dataclasses.replace(base, **{key: value})
+    except ValueError:
+        return False
+    return True
+
+
+def chat_template_source(value: str) -> tuple[str, str]:
+    """(Jinja source, where it came from) of a string `input.chat_template`: the template itself when it
+    holds Jinja markup, else the text of the file at that path or fsspec URL."""
+    if "{{" in value or "{%" in value:
+        return value, "input.chat_template"
+    try:
+        with fsspec.open(value, "r", encoding="utf-8") as f:
+            return f.read(), value
+    except (OSError, ValueError) as e:
+        raise JobError(f"invalid config `input.chat_template`: cannot read template file {value!r}: {e}") from None
+
+
 class PromptBuilder:
     """Applies the input section of the config to rows, with the model's tokenizer and length limit."""
 
     def __init__(self, tokenizer: ChatTokenizer, inp: InputConfig, sampling: SamplingParams,
                  max_model_len: int) -> None:
+        if isinstance(inp.chat_template, str):  # the job's own template instead of the model's
+            try:
+                tokenizer = tokenizer.with_chat_template(*chat_template_source(inp.chat_template))
+            except ValueError as e:
+                raise JobError(f"invalid config `input.chat_template`: {e}") from None
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(inp.chat_template_kwargs or {})
         self.inp = inp
         self.sampling = sampling
         self.max_model_len = max_model_len
@@ -94,17 +127,20 @@ class PromptBuilder:
         return Prepared(fitted, sampling, None, len(fitted))
 
     def _sampling(self, row: Mapping[str, Any]) -> SamplingParams:
-        overrides = {k: row[k] for k in self.inp.sampling_columns if not _missing(row.get(k))}
+        overrides = {}
+        for column in self.inp.sampling_columns:
+            if not _missing(row.get(column)):
+                try:
+                    overrides[column] = cell_value(column, row[column])
+                except ValueError as e:
+                    raise RowError(f"bad per-row sampling value in column {column!r}: {e}") from None
         if not overrides:
             return self.sampling
-        for key in ("max_tokens", "seed"):  # integer columns read from float Parquet columns
-            v = overrides.get(key)
-            if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-                overrides[key] = int(v)
         try:
             return dataclasses.replace(self.sampling, **overrides)
         except ValueError as e:
-            raise RowError(f"bad per-row sampling override: {e}") from None
+            culprits = [c for c in overrides if not _valid(self.sampling, c, overrides[c])] or list(overrides)
+            raise RowError(f"bad per-row sampling value in column {', '.join(map(repr, culprits))}: {e}") from None
 
     def _text(self, row: Mapping[str, Any]) -> str:
         inp = self.inp
@@ -127,7 +163,7 @@ class PromptBuilder:
 
     def _render(self, messages: list[dict]) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.template_kwargs)
         except Exception as e:  # the model's own Jinja template may reject a conversation
             raise RowError(f"chat template failed: {e}") from None
 

@@ -73,7 +73,7 @@ def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, 
     parts = sorted(out.glob("part-*.parquet"))
     assert len(parts) == 1  # 7 rows < output.rows_per_part
     meta = pq.read_metadata(parts[0]).metadata
-    assert meta[b"pipeline.model"] == b"smollm2-135m" and meta[b"pipeline.version"] == b"0.1.0"
+    assert meta[b"pipeline.model"] == tiny_model_dir.name.encode() and meta[b"pipeline.version"] == b"0.1.0"
     assert meta[b"pipeline.config_fingerprint"].decode() == json.loads((out / "_job.json").read_text())["digest"]
     on_disk = json.loads((out / "metrics.json").read_text())
     assert (out / "_SUCCESS").exists()
@@ -201,19 +201,43 @@ def test_sample_data_as_chat_messages(tmp_path, tiny_model_dir):
 def test_logprobs_column(tmp_path, tiny_model_dir, tiny_loaded):
     pq.write_table(pa.table({"id": [1, 2], "prompt": ["Tell me a story.", "Count to three."]}), tmp_path / "in.parquet")
     run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.logprobs=3",
-            "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
+            "sampling.prompt_logprobs=1", "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
     table = pq.read_table(next((tmp_path / "out").glob("part-*.parquet")))
     assert table.schema.field("logprobs").type == pa.list_(pa.map_(pa.int32(), pa.float32()))
     for r in table.to_pylist():
         steps = [dict(m) for m in r["logprobs"]]
         assert len(steps) == r["completion_tokens"] == len(r["token_ids"])
+        texts = [dict(m) for m in r["logprob_tokens"]]
+        assert [t.keys() for t in texts] == [s.keys() for s in steps]
+        assert all(text == tiny_loaded.tokenizer.decode([t], skip_special_tokens=False)
+                   for step in texts for t, text in step.items())
         for token, step in zip(r["token_ids"], steps):
             assert max(step, key=step.get) == token  # greedy picks the most likely token
         prompt = tiny_loaded.tokenizer.encode(["Tell me a story.", "Count to three."][r["id"] - 1])
         # the first step against a plain forward pass
         ref = torch.log_softmax(prompt_logits(tiny_loaded.model, prompt)[-1], -1).topk(3)
         assert sorted(steps[0]) == sorted(ref.indices.tolist())
+        scored = r["prompt_logprobs"]  # the engine's figures are tested in tests/engine/test_engine.py
+        assert len(scored) == r["prompt_tokens"] and scored[0] is None
+        assert all(prompt[p] in dict(scored[p]) for p in range(1, len(prompt)))
         assert [steps[0][i] for i in ref.indices.tolist()] == pytest.approx(ref.values.tolist(), abs=1e-4)
+
+
+def test_list_and_map_sampling_columns(tmp_path, tiny_model_dir, tiny_loaded):
+    """Arrow list and map columns override per row; a row's logit_bias of -100 on the greedy token it would
+    pick moves it off that token, and a bad row becomes an error row naming the column."""
+    prompt = "Tell me a story."
+    plain = greedy_reference(tiny_loaded, tiny_loaded.tokenizer.encode(prompt), 1)[0]
+    bias = pa.array([[(plain, -100.0)], None, [(plain, 500.0)]], pa.map_(pa.int64(), pa.float64()))
+    pq.write_table(pa.table({"id": [1, 2, 3], "prompt": [prompt] * 3, "logit_bias": bias,
+                             "stop_token_ids": pa.array([None, [plain], None], pa.list_(pa.int64()))}),
+                   tmp_path / "in.parquet")
+    run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.max_tokens=3",
+            "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
+    rows = {r["id"]: r for r in pq.read_table(next((tmp_path / "out").glob("part-*.parquet"))).to_pylist()}
+    assert rows[1]["token_ids"][0] != plain and rows[1]["error"] is None
+    assert rows[2]["token_ids"] == [plain] and rows[2]["finish_reason"] == "stop"
+    assert rows[3]["finish_reason"] == "error" and "column 'logit_bias'" in rows[3]["error"]
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -239,3 +263,60 @@ def test_gguf_quant_needs_a_gguf_file(tmp_path, tiny_model_dir):
     with pytest.raises(JobError, match="gguf"):
         run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", tmp_path / "out", "model.quant=gguf"),
             stdout=io.StringIO())
+
+
+CONSTRAINT_SCHEMAS = [
+    {"type": "object", "properties": {"label": {"enum": ["pos", "neg", "neutral"]}}, "required": ["label"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 5},
+                                      "ok": {"type": "boolean"}},
+     "required": ["score", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+]
+
+
+def test_constrained_columns_over_100_rows(tmp_path, tiny_model_dir):
+    """Per-row json_schema / regex / choice columns, n=2 sampled: every output that is not an error row parses
+    and validates against its own row's schema (jsonschema), matches its regex, or is one of its choices."""
+    import re
+
+    import jsonschema
+
+    rows = []
+    for i in range(100):
+        row = {"id": i, "prompt": f"Label item {i} of the list.", "json_schema": None, "regex": None, "choice": None}
+        kind = i % 5
+        if kind < 3:
+            row["json_schema"] = json.dumps(CONSTRAINT_SCHEMAS[kind])
+        elif kind == 3:
+            row["regex"] = r"[A-Z][a-z]{1,4}-[0-9]{2}"
+        else:
+            row["choice"] = ["alpha", "beta", "gamma delta"]
+        rows.append(row)
+    rows[7]["json_schema"] = '{"type": "object", "properties": 5}'  # a schema the grammar cannot compile
+    table = pa.Table.from_pylist(rows, pa.schema([("id", pa.int64()), ("prompt", pa.string()),
+                                                  ("json_schema", pa.string()), ("regex", pa.string()),
+                                                  ("choice", pa.list_(pa.string()))]))
+    pq.write_table(table, tmp_path / "in.parquet")
+    run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.max_tokens=24", "sampling.n=2",
+            "sampling.temperature=0.8", "sampling.seed=5", "output.rows_per_part=25",
+            "input.chat_template=false"), stdout=io.StringIO())
+    out = pl.read_parquet(str(tmp_path / "out" / "*.parquet")).sort(["id", "sample_index"]).to_dicts()
+    assert len(out) == 200
+    completed = 0
+    for r in out:
+        source = rows[r["id"]]
+        if r["error"] is not None:
+            assert r["finish_reason"] in ("error", "incomplete")
+            continue
+        assert r["finish_reason"] == "stop", r
+        completed += 1
+        if source["json_schema"]:
+            jsonschema.validate(json.loads(r["text"]), json.loads(source["json_schema"]))
+        elif source["regex"]:
+            assert re.fullmatch(source["regex"], r["text"])
+        else:
+            assert r["text"] in source["choice"]
+    assert completed >= 150  # the constraints are short: most samples finish within 24 tokens
+    bad = [r for r in out if r["id"] == 7]
+    assert all(r["finish_reason"] == "error" and "json_schema" in r["error"] for r in bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +15,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.sequence import sample_seed
 from tests.engine.conftest import EOS, CharTokenizer, TinyLoaded, random_prompts
-from tests.reference import Decoded, assert_only_near_ties, gaps_of, greedy, greedy_decode
+from tests.reference import Decoded, assert_only_near_ties, gaps_of, greedy, greedy_decode, prompt_logits
 
 
 def run(loaded, requests, **config) -> tuple[dict, Engine]:
@@ -275,3 +276,25 @@ def test_prefix_caching_never_changes_outputs_under_pressure(tiny, prefixes, row
                      max_batch_size=6, prefix_caching=caching)
         outs.append([res[i, 0].token_ids for i in range(len(prompts))])
     assert outs[0] == outs[1]
+
+
+def test_prompt_logprobs_match_a_plain_forward_pass(tiny):
+    """Chunked prefill (8 tokens a step), a repeated prompt that the prefix cache would otherwise serve, and
+    n=2 (both samples report the one scoring of the prompt): every entry equals log_softmax of a plain
+    full-prompt forward pass, top-k plus the actual next token."""
+    prompts = random_prompts(3, 12, 30, seed=4)
+    prompts.append(list(prompts[0]))
+    sp = SamplingParams(max_tokens=3, prompt_logprobs=2, n=2, temperature=1.0, seed=1)
+    results, engine = run(tiny, [Request(i, p, sp) for i, p in enumerate(prompts)], max_batched_tokens=8,
+                          block_size=4)
+    model = tiny.model
+    for (rid, _), r in results.items():
+        prompt = prompts[rid]
+        ref = torch.log_softmax(prompt_logits(model, prompt), -1)
+        assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
+        for p in range(1, len(prompt)):
+            entry = r.prompt_logprobs[p]
+            assert set(entry) == set(ref[p - 1].topk(2).indices.tolist()) | {prompt[p]}
+            for token, value in entry.items():
+                assert value == pytest.approx(float(ref[p - 1, token]), abs=1e-4)
+    assert engine.stats.cached_tokens == 0  # prompt logprobs need every position computed

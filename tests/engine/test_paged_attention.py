@@ -115,3 +115,50 @@ def test_every_decode_in_a_group(any_saving):
     attn, out, ref = attend(TABLES[:5], LENS[:5])
     assert [(lo, hi) for lo, hi, _ in attn._shared] == [(0, 3), (3, 5)]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def dense_window_reference(q, k, v, q_start: int, window: int) -> torch.Tensor:
+    """Query by query with an explicit list of visible keys (p - window < j <= p), softmax in float64."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        p = q_start + i
+        visible = [j for j in range(k.shape[0]) if p - window < j <= p]
+        for h in range(q.shape[1]):
+            scores = torch.stack([q[i, h].double() @ k[j, h // group].double() for j in visible]) * SCALE
+            out[i, h] = (torch.softmax(scores, 0)[:, None] * v[visible, h // group].double()).sum(0).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("window", [3, 5, 8])
+def test_sliding_window_reads_only_blocks_in_the_window(window):
+    """Decodes and a prefill chunk at contexts well past the window equal the dense reference, although every
+    block wholly before each row's window is poisoned with NaN (one read of it would spread NaN)."""
+    torch.manual_seed(1)
+    tables, lens = [[1, 2, 3, 20], [5, 6, 7, 8, 9], [40, 41], [42]], [14, 19, 7, 2]
+    prefill = ([50, 51, 52, 53], 15)
+    attn = PagedAttention(1, NUM_BLOCKS, BLOCK, HKV, DIM, torch.float32, torch.device("cpu"), SCALE, window)
+    attn.k[0].normal_()
+    attn.v[0].normal_()
+    batch = decode_batch(tables, lens, prefill)
+    q = torch.randn(batch.num_tokens, HQ, DIM)
+    k, v = (torch.randn(batch.num_tokens, HKV, DIM) for _ in range(2))
+    attn.prepare(batch)
+    # what the step will write, then keys/values in position order for the reference
+    flat_k, flat_v = attn.k[0].view(HKV, -1, DIM), attn.v[0].view(HKV, -1, DIM)
+    flat_k[:, batch.slot_mapping] = k.transpose(0, 1)
+    flat_v[:, batch.slot_mapping] = v.transpose(0, 1)
+    starts = batch.query_start.tolist()
+    expect = torch.empty_like(q)
+    for b, length in enumerate(batch.context_lens.tolist()):
+        positions = torch.arange(length)
+        slots = batch.block_tables[b, positions // BLOCK] * BLOCK + positions % BLOCK
+        lo, hi = starts[b], starts[b + 1]
+        expect[lo:hi] = dense_window_reference(q[lo:hi], flat_k[:, slots].transpose(0, 1),
+                                               flat_v[:, slots].transpose(0, 1), length - (hi - lo), window)
+        first_visible = length - (hi - lo) - window + 1
+        for block in batch.block_tables[b, : max(0, first_visible) // BLOCK].tolist():
+            attn.k[0][:, block] = float("nan")
+            attn.v[0][:, block] = float("nan")
+    out = attn.attend(0, q, k, v)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)

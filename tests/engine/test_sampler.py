@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.engine.request import SamplingParams
-from pipeline.engine.sampler import filter_probs, sample
+from pipeline.engine.sampler import adjust, filter_probs, sample
 from pipeline.engine.sequence import Sequence
 
 
@@ -60,9 +60,64 @@ def test_filters_match_reference(case):
             assert got[token] == pytest.approx(p, rel=1e-5)
 
 
-def _seq(sampling: SamplingParams, seed: int) -> Sequence:
+def _seq(sampling: SamplingParams, seed: int, prompt: list[int] | None = None,
+         output: list[int] | None = None) -> Sequence:
     gen = torch.Generator().manual_seed(seed)
-    return Sequence(0, "r", 0, [1], 1, sampling, seed, gen)
+    prompt = prompt or [1]
+    return Sequence(0, "r", 0, prompt + (output or []), len(prompt), sampling, seed, gen)
+
+
+def reference_adjusted(logits: list[float], prompt: list[int], output: list[int], sp: SamplingParams,
+                       eos: set[int]) -> list[float]:
+    """vLLM's order written out per token: logit_bias, min_tokens mask, repetition (prompt + output),
+    then frequency and presence (output only)."""
+    out = list(logits)
+    for token, bias in sp.logit_bias.items():
+        out[token] += bias
+    if len(output) < sp.min_tokens:
+        for token in set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos):
+            out[token] = -math.inf
+    for token in set(prompt) | set(output):
+        out[token] = out[token] / sp.repetition_penalty if out[token] > 0 else out[token] * sp.repetition_penalty
+    for token in set(output):
+        out[token] -= sp.frequency_penalty * output.count(token) + sp.presence_penalty
+    return out
+
+
+ADJUST_CASES = [
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(repetition_penalty=0.8, presence_penalty=0.5),
+    SamplingParams(frequency_penalty=0.7),
+    SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.3),
+    SamplingParams(logit_bias={3: -100.0, 11: 5.0, 29: 0.5}),
+    SamplingParams(min_tokens=10, stop_token_ids=(4,), repetition_penalty=1.1, logit_bias={0: 2.0}),
+    SamplingParams(min_tokens=10, ignore_eos=True, frequency_penalty=2.0),
+    SamplingParams(),
+]
+
+
+def test_penalties_bias_and_min_tokens_match_reference():
+    """All cases in one batch (rows differ in parameters, prompt and output): each row equals the
+    per-token reference on the same fixed logits."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(ADJUST_CASES), 30, generator=g) * 3
+    seqs, refs = [], []
+    for i, sp in enumerate(ADJUST_CASES):
+        prompt = torch.randint(30, (6,), generator=g).tolist()
+        output = torch.randint(30, (i + 3,), generator=g).tolist()
+        seqs.append(_seq(sp, i, prompt, output))
+        refs.append(reference_adjusted(logits[i].tolist(), prompt, output, sp, {0, 1}))
+    got = adjust(logits.clone(), seqs, frozenset({0, 1}))
+    torch.testing.assert_close(got, torch.tensor(refs), rtol=0, atol=1e-5)
+
+
+def test_greedy_takes_argmax_of_adjusted_logits_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]])
+    sp = SamplingParams(repetition_penalty=2.0, logprobs=1)
+    out = sample(logits.clone(), [_seq(sp, 0, prompt=[0], output=[])])
+    assert out.token_ids == [1]  # 5 / 2 = 2.5 < 4
+    assert out.logprobs[0][1] == pytest.approx(float(torch.log_softmax(logits[0], -1)[1]))
+    assert sample(logits.clone(), [_seq(SamplingParams(min_tokens=1), 0)], frozenset({0})).token_ids == [1]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -37,6 +37,8 @@ HF_KIND = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -55,8 +57,8 @@ def _stored(kind: str, value: np.ndarray):
     return quantize(value, qtype), qtype
 
 
-def tiny_weights() -> dict[str, np.ndarray]:
-    config = {**TINY_CONFIG, "tie_word_embeddings": True}
+def tiny_weights(arch: str = "llama") -> dict[str, np.ndarray]:
+    config = {**TINY_CONFIG, "tie_word_embeddings": True, "model_type": arch}
     return {k: v.numpy() for k, v in tiny_state_dict(config, seed=1).items()}
 
 
@@ -85,7 +87,7 @@ def write_tiny_gguf(path, tokenizer_metadata: dict, arch: str = "llama") -> None
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(tokenizer_metadata["tokenizer.chat_template"])
-    sd = tiny_weights()
+    sd = tiny_weights(arch)
     data, raw_dtype = _stored("attn_v", sd["model.embed_tokens.weight"])  # Q8_0, as in SmolLM2
     w.add_tensor("token_embd.weight", data, raw_dtype=raw_dtype)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
@@ -93,9 +95,9 @@ def write_tiny_gguf(path, tokenizer_metadata: dict, arch: str = "llama") -> None
         if not name.startswith("model.layers."):
             continue
         kind = gguf_kind(name)
-        if kind == "attn_q":
+        if kind == "attn_q" and arch == "llama":  # llama.cpp's converter permutes Llama's Q/K only
             value = llama_cpp_permute(value, c["num_attention_heads"])
-        elif kind == "attn_k":
+        elif kind == "attn_k" and arch == "llama":
             value = llama_cpp_permute(value, c["num_key_value_heads"])
         data, raw_dtype = _stored(kind, value)
         w.add_tensor(f"blk.{name.split('.')[2]}.{kind}.weight", data, raw_dtype=raw_dtype)
@@ -105,15 +107,16 @@ def write_tiny_gguf(path, tokenizer_metadata: dict, arch: str = "llama") -> None
     w.close()
 
 
-def reference_model(transformers):
-    """transformers' Llama with the tiny weights after the same quantize/dequantize round trip, computed on
-    the never-permuted matrices (block rounding is per row, so the permutation does not change it)."""
+def reference_model(transformers, arch: str = "llama"):
+    """transformers' model of `arch` with the tiny weights after the same quantize/dequantize round trip,
+    computed on the never-permuted matrices (block rounding is per row, so the permutation does not change it)."""
     from gguf.quants import dequantize
 
-    config = transformers.LlamaConfig(**{**TINY_CONFIG, "tie_word_embeddings": True})
-    model = transformers.LlamaForCausalLM(config).eval()
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    model = model_cls(config_cls(**{**TINY_CONFIG, "tie_word_embeddings": True})).eval()
     state = {}
-    for name, value in tiny_weights().items():
+    for name, value in tiny_weights(arch).items():
         kind = "attn_v" if name == "model.embed_tokens.weight" else gguf_kind(name)
         data, raw_dtype = _stored(kind, value)
         restored = dequantize(data, raw_dtype) if raw_dtype is not None else data.astype(np.float32)
@@ -186,11 +189,16 @@ def test_raw_blocks_stay_reachable(tiny_gguf):
     assert np.array_equal(raw.blocks, unpermute_qk_rows(blocks, 4))
 
 
-def test_loaded_model_matches_transformers(tiny_gguf):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_loaded_model_matches_transformers(tmp_path, tokenizer_metadata, arch):
+    """Llama (Q/K permuted by llama.cpp) and Qwen3 (not permuted; per-head q/k norms) GGUF files."""
     transformers = pytest.importorskip("transformers")
-    loaded = load_model(tiny_gguf)
-    assert loaded.config.tie_word_embeddings and loaded.name == "tiny"
-    ref = reference_model(transformers)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tokenizer_metadata, arch=arch)
+    loaded = load_model(path)
+    assert loaded.config.tie_word_embeddings and loaded.name == "tiny" and loaded.config.architecture == arch
+    assert loaded.config.qk_norm == (arch == "qwen3")
+    ref = reference_model(transformers, arch)
     ids = loaded.tokenizer.encode(
         loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hi 42"}])
     )

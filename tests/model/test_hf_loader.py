@@ -69,6 +69,9 @@ def test_decode_with_cache_equals_full_forward(tiny_model_dir):
 VARIANTS = {
     "tied": {"tie_word_embeddings": True},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    # a window of 8 over 80 positions: every later query sees a tenth of its context
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8},
     "llama3_rope": {
         "rope_theta": 500000.0,
         "rope_scaling": {
@@ -87,8 +90,12 @@ def test_config_variants_match_transformers(tmp_path, variant):
     directory = build_tiny_checkpoint(tmp_path / variant, seed=2, **VARIANTS[variant])
     loaded = load_model(directory)
     ids = IDS * 4  # 80 positions: past the 64 the llama3 variant was "trained" on
-    torch.testing.assert_close(prompt_logits(loaded.model, ids), reference_logits(directory, ids), atol=1e-4, rtol=0)
+    ours, ref = prompt_logits(loaded.model, ids), reference_logits(directory, ids)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))  # greedy picks agree at every position
     cfg = loaded.config
+    assert cfg.architecture == VARIANTS[variant].get("model_type", "llama")
+    assert cfg.qk_norm == (variant == "qwen3") and cfg.sliding_window == (8 if variant == "mistral" else None)
     assert cfg.tie_word_embeddings == (variant == "tied") and cfg.attention_bias == (variant == "qwen2")
     if variant == "tied":  # the head is the embedding table itself: stored once, read every step
         assert loaded.model.lm_head.weight is loaded.model.embed_tokens.weight
@@ -147,10 +154,30 @@ def test_missing_key(broken):
         load_model(broken)
 
 
-def test_sliding_window_refused(broken):
-    edit_config(broken, architectures=["MistralForCausalLM"], sliding_window=128)
-    with pytest.raises(ValueError, match="sliding_window=128"):
+def test_per_layer_sliding_window_refused(broken):
+    edit_config(broken, architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=128)
+    with pytest.raises(ValueError, match=r"use_sliding_window=true, sliding_window=128.*qwen2"):
         load_model(broken)
+
+
+def test_mistral_engine_greedy_matches_transformers_past_the_window(tmp_path):
+    """Paged KV with blocks of 4 and a window of 8: prompt and generation run well past the window, through
+    chunked prefill and decodes; tokens equal transformers' greedy generation."""
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.request import Request, SamplingParams
+
+    directory = build_tiny_checkpoint(tmp_path / "mistral", seed=3, **VARIANTS["mistral"])
+    loaded = load_model(directory)
+    engine = Engine(loaded, EngineConfig(block_size=4, max_batched_tokens=16, kv_cache_memory="4MiB"))
+    prompts = [IDS, IDS[3:] * 2, IDS[:5]]
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    got = {r.id: r.token_ids for r in engine.generate(Request(i, p, sampling) for i, p in enumerate(prompts))}
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        assert got[i] == ref[0, len(prompt):].tolist()
 
 
 def test_tokenizer_larger_than_model_vocab(broken):

@@ -68,6 +68,19 @@ def test_per_row_sampling_overrides(tokenizer):
     assert off.sampling.temperature == 0
 
 
+def test_every_sampling_key_but_n_is_a_row_column(tokenizer):
+    """Lists and maps come as Arrow gives them (lists, (key, value) pairs) or as JSON text."""
+    row = {"prompt": "x", "top_k": 5.0, "min_p": 0.1, "stop": ["###"], "stop_token_ids": "[2, 3]",
+           "ignore_eos": True, "logprobs": 2, "repetition_penalty": 1.2, "presence_penalty": -0.5,
+           "frequency_penalty": 0.25, "logit_bias": [(7, -100.0), (9, 2.5)], "min_tokens": 3}
+    p = builder(tokenizer).prepare(row)
+    assert p.sampling == SamplingParams(
+        max_tokens=16, top_k=5, min_p=0.1, stop=("###",), stop_token_ids=(2, 3), ignore_eos=True, logprobs=2,
+        repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=0.25, logit_bias={7: -100.0, 9: 2.5},
+        min_tokens=3)
+    assert builder(tokenizer).prepare({"prompt": "x", "logit_bias": '{"7": 1}'}).sampling.logit_bias == {7: 1}
+
+
 def test_truncate_left_keeps_the_prompt_end(tokenizer):
     text = " ".join(f"word{i}" for i in range(300))
     full = builder(tokenizer, chat_template=False).prepare({"prompt": text}).token_ids
@@ -82,8 +95,17 @@ ROW_ERRORS = [
     ({"prompt": "  \n\t"}, {}, "prompt is empty"),
     ({"prompt": "word " * 200}, {"max_model_len": 100}, "prompt has 2"),
     ({"prompt": "x"}, {"max_model_len": 16}, "max_tokens=16 leaves no room"),
-    ({"prompt": "x", "temperature": -0.5}, {}, "bad per-row sampling override: invalid sampling parameters: "
+    ({"prompt": "x", "temperature": -0.5}, {}, "bad per-row sampling value in column "
+                                                "'temperature': invalid sampling parameters: "
                                                 "temperature must be a finite number >= 0"),
+    ({"prompt": "x", "temperature": 0.5, "presence_penalty": 3}, {}, "in column 'presence_penalty': "),
+    ({"prompt": "x", "repetition_penalty": 0}, {}, "in column 'repetition_penalty': "),
+    ({"prompt": "x", "logit_bias": "{oops"}, {}, "in column 'logit_bias': not valid JSON"),
+    ({"prompt": "x", "logit_bias": [(3, 101.0)]}, {}, "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
+    ({"prompt": "x", "stop": "###"}, {}, "in column 'stop': not valid JSON"),
+    ({"prompt": "x", "stop_token_ids": '{"a": 1}'}, {}, "in column 'stop_token_ids': expected a list, got dict"),
+    ({"prompt": "x", "min_tokens": 17}, {}, "in column 'min_tokens': "),
+    ({"prompt": "x", "ignore_eos": "yes"}, {}, "in column 'ignore_eos': "),
     ({"prompt": "x", "temperature": float("inf")}, {}, "temperature must be a finite number"),
     ({"prompt": "x", "max_tokens": 0}, {}, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "max_tokens": 2.5}, {}, "max_tokens must be an integer >= 1"),
@@ -127,3 +149,60 @@ def test_template_failure_is_a_row_error(tokenizer):
 
     b = PromptBuilder(Strict(), InputConfig(), SamplingParams(), 2048)
     assert b.prepare({"prompt": "x"}).error == "chat template failed: conversation roles must alternate"
+
+
+CUSTOM_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if shout %}!{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False, "shout": True}, {"enable_thinking": True}])
+def test_custom_template_and_kwargs_match_transformers(tokenizer, hf_tokenizer, kwargs):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    p = builder(tokenizer, messages_column="messages", chat_template=CUSTOM_TEMPLATE,
+                chat_template_kwargs=kwargs).prepare({"messages": messages})
+    want = hf_tokenizer.apply_chat_template(messages, chat_template=CUSTOM_TEMPLATE, add_generation_prompt=True,
+                                            tokenize=False, **kwargs)
+    assert tokenizer.decode(p.token_ids, skip_special_tokens=False) == want
+    assert p.token_ids == hf_tokenizer(want, add_special_tokens=False)["input_ids"]
+
+
+def test_model_template_kwargs_match_transformers(tokenizer, hf_tokenizer):
+    """The model's own template with extra variables, as transformers renders it."""
+    p = builder(tokenizer, chat_template_kwargs={"unused": 1}).prepare({"prompt": "Hello"})
+    want = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                            tokenize=False, unused=1)
+    assert tokenizer.decode(p.token_ids, skip_special_tokens=False) == want
+
+
+def test_template_from_a_local_or_fsspec_file(tokenizer, tmp_path):
+    import fsspec
+
+    expect = builder(tokenizer, chat_template=CUSTOM_TEMPLATE).prepare({"prompt": "Hello"}).token_ids
+    (tmp_path / "t.jinja").write_text(CUSTOM_TEMPLATE)
+    with fsspec.open("memory://templates/t.jinja", "w") as f:
+        f.write(CUSTOM_TEMPLATE)
+    for where in (str(tmp_path / "t.jinja"), "memory://templates/t.jinja"):
+        assert builder(tokenizer, chat_template=where).prepare({"prompt": "Hello"}).token_ids == expect
+    assert expect != builder(tokenizer).prepare({"prompt": "Hello"}).token_ids
+
+
+def test_bad_custom_templates(tokenizer, tmp_path):
+    from pipeline.errors import JobError
+
+    with pytest.raises(JobError, match=r"input.chat_template.*cannot read template file"):
+        builder(tokenizer, chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(JobError, match=r"input.chat_template.*does not compile"):
+        builder(tokenizer, chat_template="{% for %}")
+    # still sandboxed: reaching Python internals is a row error, not code execution
+    escape = builder(tokenizer, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    assert "chat template failed" in escape.prepare({"prompt": "x"}).error
