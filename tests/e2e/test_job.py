@@ -227,7 +227,7 @@ def test_list_and_map_sampling_columns(tmp_path, tiny_model_dir, tiny_loaded):
     """Arrow list and map columns override per row; a row's logit_bias of -100 on the greedy token it would
     pick moves it off that token, and a bad row becomes an error row naming the column."""
     prompt = "Tell me a story."
-    plain = greedy_reference(tiny_loaded, tiny_loaded.tokenizer.encode(prompt), 1)[0]
+    plain = greedy(tiny_loaded.model, tiny_loaded.tokenizer.encode(prompt), 1)[0]
     bias = pa.array([[(plain, -100.0)], None, [(plain, 500.0)]], pa.map_(pa.int64(), pa.float64()))
     pq.write_table(pa.table({"id": [1, 2, 3], "prompt": [prompt] * 3, "logit_bias": bias,
                              "stop_token_ids": pa.array([None, [plain], None], pa.list_(pa.int64()))}),
