@@ -233,7 +233,8 @@ def test_list_and_map_sampling_columns(tmp_path, tiny_model_dir, tiny_loaded):
                              "stop_token_ids": pa.array([None, [plain], None], pa.list_(pa.int64()))}),
                    tmp_path / "in.parquet")
     run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.max_tokens=3",
-            "output.token_ids=true", "input.chat_template=false"), stdout=io.StringIO())
+            "output.token_ids=true", "input.chat_template=false",
+            "input.sampling_columns=[logit_bias,stop_token_ids]"), stdout=io.StringIO())
     rows = {r["id"]: r for r in pq.read_table(next((tmp_path / "out").glob("part-*.parquet"))).to_pylist()}
     assert rows[1]["token_ids"][0] != plain and rows[1]["error"] is None
     assert rows[2]["token_ids"] == [plain] and rows[2]["finish_reason"] == "stop"
@@ -300,7 +301,7 @@ def test_constrained_columns_over_100_rows(tmp_path, tiny_model_dir):
     pq.write_table(table, tmp_path / "in.parquet")
     run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.max_tokens=24", "sampling.n=2",
             "sampling.temperature=0.8", "sampling.seed=5", "output.rows_per_part=25",
-            "input.chat_template=false"), stdout=io.StringIO())
+            "input.chat_template=false", "input.sampling_columns=[json_schema,regex,choice]"), stdout=io.StringIO())
     out = pl.read_parquet(str(tmp_path / "out" / "*.parquet")).sort(["id", "sample_index"]).to_dicts()
     assert len(out) == 200
     completed = 0

@@ -127,7 +127,7 @@ def test_step_issues_no_device_to_host_sync_before_sampling(tiny):
     work = engine.scheduler.schedule()
     guard = SyncGuard(allowed_in=HOST_SIDE)
     with guard:
-        batch, samplers = build_batch(work, BLOCK)
+        batch, samplers, _ = build_batch(work, BLOCK)
         logits = engine.runner.execute(batch)
         tokens = logits.argmax(dim=-1)
     assert guard.calls == []
@@ -148,7 +148,7 @@ def test_cuda_step_is_sync_free_and_graphs_match_eager():
         for i, p in enumerate(prompts):
             engine.add_request(Request(i, p, SamplingParams(max_tokens=8)))
         engine.step()
-        batch, _ = build_batch(engine.scheduler.schedule(), BLOCK)
+        batch, _, _ = build_batch(engine.scheduler.schedule(), BLOCK)
         torch.cuda.set_sync_debug_mode("error")
         try:
             outs[graphs] = engine.runner.execute(batch).clone()
@@ -162,7 +162,7 @@ def test_graph_plan_has_fixed_shapes_and_padding_without_keys(tiny):
     for i, p in enumerate(random_prompts(3, 5, 20, seed=1)):
         engine.add_request(Request(i, p, SamplingParams(max_tokens=3)))
     engine.step()
-    batch, _ = build_batch(engine.scheduler.schedule(), BLOCK)
+    batch, _, _ = build_batch(engine.scheduler.schedule(), BLOCK)
     assert batch.num_decodes == batch.num_tokens == 3
     scratch = 999 * BLOCK
     plan = plan_step(batch, BLOCK, 2, 132, 2, pad_to=4, table_width=8, scratch_slot=scratch)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from pipeline.config import InputConfig
+from pipeline.config import SAMPLING_COLUMNS, InputConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.source.prompts import PromptBuilder
@@ -28,6 +28,8 @@ def tokenizer(tiny_model_dir) -> Tokenizer:
 
 
 def builder(tokenizer, max_model_len=2048, max_tokens=16, **inp) -> PromptBuilder:
+    """A builder that reads every sampling column (the job reads only the default few unless told)."""
+    inp.setdefault("sampling_columns", list(SAMPLING_COLUMNS))
     return PromptBuilder(tokenizer, InputConfig(**inp), SamplingParams(max_tokens=max_tokens), max_model_len)
 
 
@@ -79,6 +81,13 @@ def test_every_sampling_key_but_n_is_a_row_column(tokenizer):
         repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=0.25, logit_bias={7: -100.0, 9: 2.5},
         min_tokens=3)
     assert builder(tokenizer).prepare({"prompt": "x", "logit_bias": '{"7": 1}'}).sampling.logit_bias == {7: 1}
+
+
+def test_only_the_default_sampling_columns_are_read_unless_named(tokenizer):
+    """A dataset's own `choice` or `stop` column is data, not an override, unless input.sampling_columns names it."""
+    row = {"prompt": "x", "temperature": 0.5, "choice": ["a", "b"], "stop": ["###"]}
+    p = PromptBuilder(tokenizer, InputConfig(), SamplingParams(max_tokens=16), 2048).prepare(row)
+    assert p.sampling == SamplingParams(max_tokens=16, temperature=0.5)
 
 
 def test_truncate_left_keeps_the_prompt_end(tokenizer):
