@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Weight-only quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py).
-QUANT_SCHEMES = ("none", "int8", "int4", "gguf")
+# Quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py): weight-only
+# int8 / int4 / gguf, and w8a8 (int8 weights and activations). The job also takes "auto" (chosen by regime).
+QUANT_SCHEMES = ("none", "int8", "int4", "gguf", "w8a8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 
 
