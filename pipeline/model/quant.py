@@ -11,7 +11,7 @@ Schemes (`model.quant`):
 Weight-only schemes can also switch per call: `attach_w8a8` gives each linear a second, int8 per-channel
 layout used for calls with at least `KernelChoice.w8a8_rows` rows (large batches, where dequantizing per
 call or bfloat16 emulation would be slower than float32), and the LM head an int8 copy for those calls.
-Embeddings stay in the model dtype; the LM head too unless W8A8 calls are enabled with `lm_head=True`.
+Embeddings stay in the model dtype; the LM head too, except in W8A8 calls (an int8 or bfloat16 copy).
 
 Tensor parallelism: each rank keeps exactly its slice of the TP=1 quantized weight. Column-parallel ranks
 quantize their own rows; row-parallel ranks quantize whole rows and slice the inputs, so a rank's inputs
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.dispatch import packed_matmul, w8a8_matmul, wq_matmul
@@ -268,39 +269,54 @@ class QuantLinear(ParallelLinear):
         return y if bias is None else y + bias
 
 
-class QuantLMHead(LMHead):
-    """The LM head with an int8 per-channel copy of its weight for W8A8 calls (the float weight stays for
-    the others and, when tied, as the embedding table)."""
+LM_HEAD_MODES = ("int8", "bf16", "none")
 
-    def __init__(self, head: LMHead, choice: KernelChoice):
+
+class QuantLMHead(LMHead):
+    """The LM head with a compact copy of its weight for W8A8 calls: "int8" (per-channel weights, W8A8:
+    fastest, but the final hidden state's outlier channels cost ~2% perplexity on SmolLM2) or "bf16"
+    (bfloat16 weight and activations, float32 sums: near-exact, fast where bf16 is native). The float
+    weight stays for the other calls and, when tied, as the embedding table."""
+
+    def __init__(self, head: LMHead, choice: KernelChoice, mode: str):
         nn.Module.__init__(self)
         self.tp, self.vocab_size, self.local_vocab = head.tp, head.vocab_size, head.local_vocab
         self.weight = head.weight
-        q, s = quantize_int8(head.weight.data.float())
-        self.register_buffer("w8a8_weight", q)
-        self.register_buffer("w8a8_scales", s)
+        self.mode = mode
+        if mode == "int8":
+            q, s = quantize_int8(head.weight.data.float())
+        else:
+            q, s = head.weight.data.to(torch.bfloat16), None
+        self.register_buffer("fast_weight", q)
+        self.register_buffer("fast_scales", s)
         self.choice = choice
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.choice.uses_w8a8(hidden.shape[0]):
             return super().forward(hidden)
-        logits = w8a8_matmul(hidden, self.w8a8_weight, self.w8a8_scales).float()
+        if self.mode == "int8":
+            logits = w8a8_matmul(hidden, self.fast_weight, self.fast_scales).float()
+        else:
+            logits = F.linear(hidden.to(torch.bfloat16), self.fast_weight).float()
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
-def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: bool) -> KernelChoice:
+def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: str) -> KernelChoice:
     """Let a loaded quantized model run calls of >= `w8a8_rows` rows in W8A8 (None: never; quant=w8a8
-    always); `lm_head` also gives the head an int8 copy for those calls. Sets `model.kernel_choice`."""
+    always); `lm_head` ("int8", "bf16", "none") is the LM head's kernel for those calls. Sets
+    `model.kernel_choice`."""
     rows = 1 if scheme == "w8a8" else w8a8_rows
     if rows is not None and rows < 1:
         raise ValueError(f"w8a8_rows must be >= 1 or None, got {rows}")
+    if lm_head not in LM_HEAD_MODES:
+        raise ValueError(f"quant_lm_head={lm_head!r} is not one of {LM_HEAD_MODES}")
     choice = KernelChoice("" if scheme == "w8a8" else scheme, rows)
     if rows is not None:
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 m.attach_w8a8(choice)
-        if lm_head:  # keeps the float weight (tied: the embedding table itself)
-            model.lm_head = QuantLMHead(model.lm_head, choice)
+        if lm_head != "none" and (lm_head != "bf16" or model.dtype != torch.bfloat16):
+            model.lm_head = QuantLMHead(model.lm_head, choice, lm_head)
     model.kernel_choice = choice
     return choice
 
@@ -372,7 +388,7 @@ def gguf_quantized_tensors(ckpt) -> Iterator[tuple[str, torch.Tensor | Quantized
 
 
 def load_quantized(
-    model: nn.Module, ckpt, scheme: str, group_size: int = 32, w8a8_rows: int | None = None, lm_head: bool = True
+    model: nn.Module, ckpt, scheme: str, group_size: int = 32, w8a8_rows: int | None = None, lm_head: str = "int8"
 ) -> None:
     """Swap the linears for `scheme` and load `ckpt` (a GGUFCheckpoint or HFCheckpoint) into them, then
     enable W8A8 calls (`attach_w8a8`: always for w8a8, from `w8a8_rows` rows for the weight-only schemes).

@@ -49,7 +49,7 @@ class ShardSpec:
     quant: str = "none"
     quant_group_size: int = 32
     w8a8_rows: int | None = None
-    quant_lm_head: bool = True
+    quant_lm_head: str = "int8"
 
     def build(self, group: TPGroup, device: str) -> RunnerWorker:
         loaded = load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size,
@@ -118,7 +118,7 @@ def open_model(
     threads: int | None = None,
     timeout_s: float = 300.0,
     w8a8_rows: int | None = None,
-    quant_lm_head: bool = True,
+    quant_lm_head: str = "int8",
 ) -> Iterator[ShardedModel]:
     """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
 
@@ -166,7 +166,7 @@ def serve_as_torchrun_worker(
     threads: int | None = None,
     timeout_s: float = 300.0,
     w8a8_rows: int | None = None,
-    quant_lm_head: bool = True,
+    quant_lm_head: str = "int8",
 ) -> bool:
     """Under torchrun, ranks > 0 only hold a shard: load it, serve rank 0's steps until it stops, then
     return True. Returns False at once on rank 0 and outside torchrun (the caller runs the job).
