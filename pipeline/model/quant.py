@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.dispatch import packed_matmul, w8a8_matmul, wq_matmul
-from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, pack_for_cpu
+from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, native_bf16, pack_for_cpu
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.layers import LMHead, ParallelLinear
@@ -393,8 +393,9 @@ def load_quantized(
     """Swap the linears for `scheme` and load `ckpt` (a GGUFCheckpoint or HFCheckpoint) into them, then
     enable W8A8 calls (`attach_w8a8`: always for w8a8, from `w8a8_rows` rows for the weight-only schemes).
 
-    A bfloat16 model on CPU is then converted for torch's CPU kernels (the fast path there); float32
-    keeps the exact layout and computes with the dequantized weights.
+    On CPU the weights are then converted for torch's weight-only kernels (bfloat16 activations, the fast
+    path there) when the model is bfloat16, or when W8A8 calls are on and the CPU has native bfloat16 (the
+    run chose speed over exactness); otherwise float32 keeps the exact layout and dequantizes per call.
     """
     quantize_model(model, scheme, group_size, weights_loaded=False)
     if scheme == "gguf":
@@ -406,5 +407,6 @@ def load_quantized(
     model.load_weights(tensors)
     check_loaded(model)
     attach_w8a8(model, scheme, w8a8_rows, lm_head)
-    if scheme != "w8a8" and model.dtype == CPU_ACTIVATION_DTYPE and model.norm.weight.device.type == "cpu":
+    fast = model.dtype == CPU_ACTIVATION_DTYPE or (w8a8_rows is not None and native_bf16())
+    if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
         pack_model_for_cpu(model)
