@@ -10,8 +10,8 @@ Schemes (`model.quant`):
   compute-bound large batches.
 Weight-only schemes can also switch per call: `attach_w8a8` gives each linear a second, int8 per-channel
 layout used for calls with at least `KernelChoice.w8a8_rows` rows (large batches, where dequantizing per
-call or bfloat16 emulation would be slower than float32), and the LM head an int8 copy for those calls.
-Embeddings stay in the model dtype; the LM head too, except in W8A8 calls (an int8 or bfloat16 copy).
+call or bfloat16 emulation would be slower than float32). Embeddings stay in the model dtype; the LM head
+too, except in W8A8 calls (`QuantLMHead`: an int8 or bfloat16 copy).
 
 Tensor parallelism: each rank keeps exactly its slice of the TP=1 quantized weight. Column-parallel ranks
 quantize their own rows; row-parallel ranks quantize whole rows and slice the inputs, so a rank's inputs
@@ -36,7 +36,6 @@ from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.layers import LMHead, ParallelLinear
 
 GGUF_BLOCK = 32
-WEIGHT_ONLY_SCHEMES = ("int8", "int4", "gguf")
 
 
 @dataclass
