@@ -6,8 +6,11 @@
     python bench/quant.py --kernels            # per-M timing of the CPU matmul choices at SmolLM2's shapes
     python bench/quant.py --sensitivity        # agreement under known weight perturbations (calibration)
 
-A format is `quant[/group]:dtype`, e.g. `int4/64:float32`. float32 formats compute with dequantized weights
-(the exact path); bfloat16 formats use torch's CPU weight-only kernels where one exists.
+A format is `quant[/group][@rows][+head]:dtype`, e.g. `int4/64:float32`, `gguf@16:float32` (W8A8 for steps of
+>= 16 rows, as the job's default model.quant_w8a8_rows), `w8a8+bf16:float32` (LM head kernel: int8, bf16 or
+none), `auto:float32` (resolved from this machine's probe, as model.quant=auto). Weight-only float32 formats
+without @rows compute with dequantized weights (the exact path); bfloat16 ones use torch's CPU weight-only
+kernels where one exists.
 
 Held-out text: docstrings of Python standard-library modules (built offline, deterministic for a given
 Python version). Agreement prompts: the first 24 tokens of docstrings of other modules. The float32
@@ -16,9 +19,8 @@ reference's greedy continuations (32 prompts x 32 tokens) are computed once; eac
 - teacher-forced agreement: share of positions whose argmax equals the reference token when fed the
   reference continuation (no cascade after a first divergence);
 - logit error: max |logit - reference logit| over the first 128 held-out tokens.
-Decode speed: tokens/s of decode steps (LM head and argmax included) at batch 1 and 64 after a 24-token
-prompt, with a plain batched attention (not the engine) so only the model's weights differ. Quantized
-float32 formats skip it: they dequantize on every call (the exact reference path, not a speed path).
+Decode speed: tokens/s of decode steps (LM head and argmax included) at batch 1, 16, 64 and 128 after a
+24-token prompt, with a plain batched attention (not the engine) so only the model's weights differ.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kernels.wq_cpu import native_bf16  # noqa: E402
 from pipeline.model.loader import load_model  # noqa: E402
 from pipeline.model.quant import linear_weight_bytes  # noqa: E402
 
@@ -52,8 +55,9 @@ PROMPT_MODULES = ["inspect", "typing", "functools", "logging", "tarfile", "zipfi
                   "weakref", "zipapp", "glob", "fnmatch"]
 PROMPT_TOKENS, NEW_TOKENS, NUM_PROMPTS = 24, 32, 32
 LOGIT_TOKENS = 128  # held-out tokens whose logits are compared with the reference's
-DEFAULT_FORMATS = ["none:float32", "int8:float32", "int4/32:float32", "int4/64:float32", "gguf:float32",
-                   "none:bfloat16", "int8:bfloat16", "int4/32:bfloat16", "gguf:bfloat16"]  # SmolLM2: 576 % 128 != 0
+DEFAULT_FORMATS = ["none:float32", "int8@16:float32", "int4/32@16:float32", "gguf@16:float32", "w8a8:float32",
+                   "w8a8+int8:float32", "w8a8+bf16:float32", "auto:float32", "none:bfloat16", "gguf:bfloat16"]
+SPEED_BATCHES = (1, 16, 64, 128)
 
 
 def docstrings(modules: list[str]) -> list[str]:
@@ -139,21 +143,46 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def parse_format(fmt: str) -> tuple[str, int, torch.dtype]:
+def parse_format(fmt: str) -> dict:
+    """`quant[/group][@rows][+head]:dtype` -> load_model keyword arguments (auto: resolved by the probe)."""
     quant, _, dtype = fmt.partition(":")
+    quant, _, head = quant.partition("+")
+    quant, _, rows = quant.partition("@")
     scheme, _, group = quant.partition("/")
-    return scheme, int(group or 32), getattr(torch, dtype or "float32")
+    options = {"dtype": getattr(torch, dtype or "float32"), "quant": scheme, "quant_group_size": int(group or 32),
+               "w8a8_rows": int(rows) if rows else None}
+    if head:
+        options["quant_lm_head"] = head
+    if scheme == "auto":
+        options.update(auto_options())
+    elif not head:
+        options["quant_lm_head"] = "bf16" if native_bf16() else "int8"  # the job's quant_lm_head=auto
+    return options
+
+
+def auto_options() -> dict:
+    """What model.quant=auto picks on this machine (probe, then the roofline choice)."""
+    from pipeline.model.loader import default_model_path, open_model_file
+    from pipeline.perf.probe import probe
+    from pipeline.perf.quant_choice import choose_quant
+    from pipeline.perf.roofline import HardwareProfile
+
+    hw = probe()
+    profile = HardwareProfile("cpu", hw.bandwidth, hw.flops, hw.memory)
+    choice = choose_quant(open_model_file(default_model_path()).config, profile, "gguf", hw.bf16_native, 64)
+    print(f"# auto: {choice.reason}", file=sys.stderr)
+    return {"quant": choice.scheme, "w8a8_rows": choice.w8a8_rows, "quant_lm_head": choice.lm_head}
 
 
 def run_format(fmt: str, data: dict) -> dict:
     """All measurements of one format (run in a fresh process so resident memory is its own)."""
-    scheme, group, dtype = parse_format(fmt)
     torch.set_num_threads(data["threads"])
+    options = parse_format(fmt)
     rss0 = rss_bytes()
     t0 = time.perf_counter()
-    loaded = load_model(dtype=dtype, quant=scheme, quant_group_size=group)
+    loaded = load_model(**options)
     model = loaded.model
-    row = {"format": fmt, "load_s": round(time.perf_counter() - t0, 1), "weight_bytes": loaded.weight_bytes,
+    row = {"format": fmt, "options": {k: str(v) for k, v in options.items()}, "load_s": round(time.perf_counter() - t0, 1), "weight_bytes": loaded.weight_bytes,
            "linear_bytes": linear_weight_bytes(model), "rss_delta_bytes": rss_bytes() - rss0}
     prompts = torch.tensor(data["prompts"])
     ref = torch.tensor(data["reference"]) if data.get("reference") else None
@@ -171,10 +200,8 @@ def run_format(fmt: str, data: dict) -> dict:
     else:  # the first format is the reference
         torch.save(logits, ref_file)
     row["perplexity"] = perplexity(model, data["text_ids"])
-    if scheme != "none" and dtype == torch.float32:
-        return row  # the exact path dequantizes every call: a reference, not a speed path
-    for batch in (1, 64):
-        p = prompts.repeat(2, 1)[:batch]
+    for batch in SPEED_BATCHES:
+        p = prompts.repeat(-(-batch // len(prompts)), 1)[:batch]
         _, seconds = greedy(model, p, data["decode_steps"] + 1)
         row[f"decode_tok_s_b{batch}"] = batch * data["decode_steps"] / seconds
     hidden = torch.randn(1, model.config.hidden_size, dtype=model.dtype)
@@ -317,15 +344,16 @@ def main() -> None:
 def print_row(row: dict, ref: dict) -> None:
     if row is ref:
         print("format             linear MB  weights MB  RSS+ MB  ppl      ppl/ref  agree free  forced  "
-              "logit err  tok/s b1  x ref  tok/s b64  lm_head share b1")
+              "logit err  tok/s b1  x ref  tok/s b16  tok/s b64  tok/s b128  lm_head share b1")
     mb = 1 / 2**20
     print(f"{row['format']:<18} {row['linear_bytes'] * mb:9.1f}  {row['weight_bytes'] * mb:10.1f}  "
           f"{row['rss_delta_bytes'] * mb:7.0f}  {row['perplexity']:7.3f}  {row['perplexity'] / ref['perplexity']:7.4f}  "
           f"{row.get('agree_free', 1.0):10.3f}  {row.get('agree_forced', 1.0):6.3f}  "
           f"{row.get('logit_err_max', 0.0):9.4f}  "
           + (f"{row['decode_tok_s_b1']:8.2f}  {row['decode_tok_s_b1'] / ref['decode_tok_s_b1']:5.2f}  "
-             f"{row['decode_tok_s_b64']:9.1f}  {row['lm_head_ms_b1'] / row['step_ms_b1']:17.2f}"
-             if "decode_tok_s_b1" in row else "       -      -          -                  -"),
+             f"{row['decode_tok_s_b16']:9.1f}  {row['decode_tok_s_b64']:9.1f}  {row['decode_tok_s_b128']:10.1f}  "
+             f"{row['lm_head_ms_b1'] / row['step_ms_b1']:17.2f}"
+             if "decode_tok_s_b1" in row else "       -      -          -"),
           flush=True)
 
 

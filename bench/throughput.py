@@ -1,13 +1,18 @@
-"""Engine vs transformers' batched `generate`: generated tokens/s on the same weights and dtype, one run.
+"""Engine (every quantization mode) vs transformers' best `generate`: generated tokens/s, alternating in one run.
 
-Shapes of a dataset-generation job: ~40-token prompts, 128 new tokens, greedy, EOS ignored. Prints both
-throughputs and their ratio, the engine's mean batch, steps and time split, and the step roofline from a
-bandwidth and matmul-peak probe measured here in the same run:
+Two workloads of a dataset-generation job, greedy, EOS ignored:
+- distinct: 256 distinct ~40-token chat prompts x 128 new tokens;
+- shared: 8 system prompts x 32 questions x 64 new tokens (a shared prefix per system prompt).
+transformers' best configuration (batch size, attention) is picked by a sweep first; then for `--rounds`
+rounds every engine mode and transformers run one after the other, so load changes hit all alike. Prints
+the CPU flags and load average, each mode's tok/s, and the ratios to transformers' best:
 
-    OMP_WAIT_POLICY=PASSIVE python bench/throughput.py --prompts 128 --batch 64 --new-tokens 128
+    OMP_WAIT_POLICY=PASSIVE python bench/throughput.py --workload distinct --modes none,int8,int4,gguf,w8a8,auto
+    OMP_WAIT_POLICY=PASSIVE python bench/throughput.py --workload shared --new-tokens 64 --modes none,w8a8,auto
 
-`--dtype auto` takes bfloat16 only when the probe finds bf16 matmuls faster than fp32 on this CPU (CPUs
-without AVX-512 bf16 run bf16 matmuls in slow fallback code, which would make every figure meaningless).
+The model runs in float32 (the job's default), as the job does: `auto` is resolved from this machine's
+probe exactly as `model.quant=auto` is. `--dtype auto` takes bfloat16 only when the probe finds bf16
+matmuls faster than fp32 (CPUs without AVX-512 bf16 run bf16 matmuls in slow fallback code).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,8 +30,9 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import default_model_path, load_model
-from pipeline.perf.probe import measure_bandwidth, measure_matmul_peak
-from pipeline.perf.roofline import forward_bytes, forward_flops
+from pipeline.perf.probe import probe
+from pipeline.perf.quant_choice import choose_quant
+from pipeline.perf.roofline import HardwareProfile, forward_bytes, forward_flops
 
 _TOPICS = ["rivers", "volcanoes", "bread", "chess", "satellites", "bees", "glass", "tea", "bridges", "owls",
            "clocks", "maps", "salt", "kites"]
@@ -50,6 +57,61 @@ def make_prompts(tokenizer, count: int, length: int, seed: int) -> list[list[int
     return prompts
 
 
+_SYSTEMS = [
+    "You are a patient science teacher. Answer in plain words, with one everyday example, in at most three "
+    "sentences. Never use jargon without explaining it.",
+    "You are a terse senior engineer reviewing designs. Reply with the single biggest risk and one mitigation.",
+    "You write catalogue copy for a small bookshop: warm, concrete, no superlatives, under sixty words.",
+    "You are a travel guide for families. Suggest one activity, its cost range and what to bring.",
+    "You are a careful historian. State what is known, what is disputed, and cite no invented sources.",
+    "You are a friendly chef. Give a recipe idea with five ingredients and the one step people get wrong.",
+    "You are a fitness coach for beginners. Give one exercise, how many repetitions and a safety tip.",
+    "You are a museum docent. Describe one object related to the question and why it matters.",
+]
+
+
+def make_shared_prompts(tokenizer, systems: int, questions: int) -> list[list[int]]:
+    """`systems` system prompts x `questions` distinct user questions, chat-templated (shared prefixes)."""
+    prompts = []
+    for s in range(systems):
+        for q in range(questions):
+            topic = _TOPICS[q % len(_TOPICS)]
+            messages = [{"role": "system", "content": _SYSTEMS[s % len(_SYSTEMS)]},
+                        {"role": "user", "content": f"Question {q}: what should I know about {topic}?"}]
+            prompts.append(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+    return prompts
+
+
+def make_distinct_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` distinct short chat prompts (~40 tokens with the template)."""
+    prompts = []
+    for i in range(count):
+        task = _TASKS[i % len(_TASKS)].format(_TOPICS[(i // len(_TASKS)) % len(_TOPICS)])
+        messages = [{"role": "user", "content": f"Request {i}: {task}"}]
+        prompts.append(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+    return prompts
+
+
+def cpu_flags() -> str:
+    """The CPU's vector / matrix extensions that decide which kernels are fast."""
+    try:
+        words = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return "?"
+    keep = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+    return " ".join(sorted({w for w in words if w in keep}))
+
+
+def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int | None):
+    """The model as the job loads it for `model.quant=mode` (auto: the probe's choice)."""
+    if mode == "none":
+        return load_model(path, dtype)
+    if mode == "auto":
+        return load_model(path, dtype, quant=auto_choice.scheme, w8a8_rows=auto_choice.w8a8_rows,
+                          quant_lm_head=auto_choice.lm_head)
+    return load_model(path, dtype, quant=mode, w8a8_rows=w8a8_rows, quant_lm_head=auto_choice.lm_head)
+
+
 def run_engine(loaded, prompts: list[list[int]], args) -> dict:
     config = EngineConfig(
         kv_cache_memory=args.kv_cache_memory, max_batch_size=args.batch, max_batched_tokens=args.max_batched_tokens,
@@ -58,6 +120,8 @@ def run_engine(loaded, prompts: list[list[int]], args) -> dict:
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     list(engine.generate(Request(f"warm{i}", p, SamplingParams(max_tokens=4)) for i, p in enumerate(prompts[:4])))
     engine.stats = type(engine.stats)()
+    if loaded.model.kernel_choice is not None:  # count the measured steps only
+        loaded.model.kernel_choice.steps.clear()
     t0 = time.perf_counter()
     outputs = {r.id: r.token_ids for r in engine.generate(Request(i, p, sp) for i, p in enumerate(prompts))}
     seconds = time.perf_counter() - t0
@@ -130,13 +194,13 @@ def run_transformers(hf, prompts: list[list[int]], batch: int, new_tokens: int) 
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "outputs": outputs}
 
 
-def step_roofline(cfg, stats, dtype_name: str, bandwidth: float, peak: float) -> dict:
+def step_roofline(cfg, stats, weights: str, kv_dtype: str, bandwidth: float, peak: float) -> dict:
     """Least time the measured hardware needs for the engine's work: per step the weights once, every KV
     row attended, 2 FLOPs per weight per token (LM head only for the rows sampled) plus attention."""
     lm_head = 2 * cfg.vocab_size * cfg.hidden_size
     flops = forward_flops(cfg, stats.computed_tokens, stats.attention_pairs)
     flops -= lm_head * (stats.computed_tokens - stats.decode_tokens)
-    moved = forward_bytes(cfg, dtype_name, stats.steps, stats.computed_tokens, stats.attention_pairs, dtype_name)
+    moved = forward_bytes(cfg, weights, stats.steps, stats.computed_tokens, stats.attention_pairs, kv_dtype)
     seconds = max(moved / bandwidth, flops / peak)
     return {"flops": flops, "bytes": moved, "seconds": seconds, "bound": "compute" if flops / peak > moved / bandwidth
             else "memory", "per_step_ms": 1e3 * seconds / stats.steps}
@@ -145,63 +209,101 @@ def step_roofline(cfg, stats, dtype_name: str, bandwidth: float, peak: float) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
-    ap.add_argument("--prompts", type=int, default=128)
-    ap.add_argument("--prompt-len", type=int, default=40)
+    ap.add_argument("--workload", default="distinct", choices=["distinct", "shared", "synthetic"])
+    ap.add_argument("--prompts", type=int, default=256, help="distinct / synthetic: number of prompts")
+    ap.add_argument("--systems", type=int, default=8, help="shared: system prompts")
+    ap.add_argument("--questions", type=int, default=32, help="shared: questions per system prompt")
+    ap.add_argument("--prompt-len", type=int, default=40, help="synthetic: prompt length")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="none,auto", help="comma-separated model.quant values for the engine")
+    ap.add_argument("--w8a8-rows", type=int, default=16, help="model.quant_w8a8_rows for int8/int4/gguf")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every mode and transformers")
     ap.add_argument("--batch", type=int, default=64, help="engine.max_batch_size")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory", default="2GiB")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--hf-batches", default="64", help="comma-separated transformers batch sizes to try")
-    ap.add_argument("--hf-attn", default="sdpa", help="comma-separated attn_implementation values to try")
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                    help="engine model dtype (the job's default: float32)")
+    ap.add_argument("--hf-batches", default="64,128", help="comma-separated transformers batch sizes to sweep")
+    ap.add_argument("--hf-attn", default="sdpa", help="comma-separated attn_implementation values to sweep")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    bandwidth = measure_bandwidth()
-    peaks = {"float32": measure_matmul_peak(torch.float32), "bfloat16": measure_matmul_peak(torch.bfloat16)}
-    dtype_name = args.dtype if args.dtype != "auto" else max(peaks, key=peaks.get)
-    print(f"load {os.getloadavg()[0]:.1f}  threads {torch.get_num_threads()}  bandwidth {bandwidth / 1e9:.1f} GB/s  "
-          f"peak fp32 {peaks['float32'] / 1e9:.0f} / bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s  -> {dtype_name}")
+    hw = probe()
+    peaks = {"float32": hw.flops["fp32"], "bfloat16": hw.flops["bf16"]}
+    best_dtype = max(peaks, key=peaks.get)  # transformers runs in the probe's faster float dtype
+    dtype_name = args.dtype if args.dtype != "auto" else best_dtype
+    print(f"cpu flags: {cpu_flags()}")
+    print(f"load {os.getloadavg()}  threads {torch.get_num_threads()}  bandwidth {hw.bandwidth / 1e9:.1f} GB/s  "
+          f"fp32 {peaks['float32'] / 1e9:.0f} / bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s "
+          f"(bf16 {'native' if hw.bf16_native else 'emulated'}), int8 {hw.flops['int8'] / 1e9:.0f} GOP/s")
+    path = args.model or default_model_path()
+    base = load_model(path, getattr(torch, dtype_name))
+    profile = HardwareProfile("cpu", hw.bandwidth, {k: v for k, v in hw.flops.items()}, hw.memory)
+    weight_only = "gguf" if str(path).endswith(".gguf") else "int4"
+    auto = choose_quant(base.config, profile, weight_only, hw.bf16_native, args.batch)
+    print(f"auto -> {auto.scheme}, W8A8 from {auto.w8a8_rows} rows, LM head {auto.lm_head}: {auto.reason}")
+    tok = base.tokenizer
+    if args.workload == "distinct":
+        prompts = make_distinct_prompts(tok, args.prompts)
+    elif args.workload == "shared":
+        prompts = make_shared_prompts(tok, args.systems, args.questions)
+    else:
+        prompts = make_prompts(tok, args.prompts, args.prompt_len, seed=0)
+    print(f"workload {args.workload}: {len(prompts)} prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} "
+          f"tokens, {args.new_tokens} new tokens each")
 
-    loaded = load_model(args.model or default_model_path(), getattr(torch, dtype_name))
-    prompts = make_prompts(loaded.tokenizer, args.prompts, args.prompt_len, seed=0)
-    eng = run_engine(loaded, prompts, args)
-    s = eng["stats"]
-    roof = step_roofline(loaded.config, s, dtype_name, bandwidth, peaks[dtype_name])
-    print(f"engine: {eng['tokens']} tokens in {eng['seconds']:.1f} s = {eng['tokens_per_s']:.1f} tok/s; "
-          f"steps {s.steps}, mean batch {s.mean_running_batch:.1f}, steady-phase mean batch "
-          f"{s.steady_mean_running_batch:.1f} of {args.batch}")
-    other = s.total_time - s.model_time - s.sampling_time - s.schedule_time
-    print(f"  time: model {s.model_time:.1f} s (attention {s.attention_time:.1f}), sampling {s.sampling_time:.2f}, "
-          f"scheduling {s.schedule_time:.2f}, other {other:.2f}")
-    step_ms = 1e3 * s.total_time / s.steps
-    print(f"  step roofline {roof['per_step_ms']:.1f} ms ({roof['bound']}-bound) vs measured {step_ms:.1f} ms "
-          f"= {100 * roof['per_step_ms'] / step_ms:.0f}% of roofline")
-
-    best = None
+    modes = args.modes.split(",")
+    models = {m: base if m == "none" else load_mode(path, getattr(torch, dtype_name), m, auto, args.w8a8_rows)
+              for m in modes}
+    hf_source = base if dtype_name == best_dtype else load_model(path, getattr(torch, best_dtype))
+    hf_best = None  # (attn, batch, model)
     for attn in args.hf_attn.split(","):
-        hf = hf_model(loaded.model, attn)
+        hf = hf_model(hf_source.model, attn)
         for batch in (int(b) for b in args.hf_batches.split(",")):
             ref = run_transformers(hf, prompts, batch, args.new_tokens)
-            agree = sum(ref["outputs"][i] == eng["outputs"][i] for i in range(len(prompts))) / len(prompts)
-            print(f"transformers ({attn}, batch {batch}): {ref['tokens_per_s']:.1f} tok/s; "
-                  f"identical outputs {100 * agree:.0f}%")
-            if best is None or ref["tokens_per_s"] > best[2]:
-                best = (attn, batch, ref["tokens_per_s"])
-        del hf
-    ratio = eng["tokens_per_s"] / best[2]
-    print(f"ratio engine / best transformers ({best[0]}, batch {best[1]}): {ratio:.2f}x")
+            print(f"sweep: transformers {best_dtype} ({attn}, batch {batch}): {ref['tokens_per_s']:.1f} tok/s")
+            if hf_best is None or ref["tokens_per_s"] > hf_best[3]:
+                hf_best = (attn, batch, hf, ref["tokens_per_s"], ref["outputs"])
+    attn, hf_batch, hf, _, _ = hf_best
+
+    rates: dict[str, list[float]] = {m: [] for m in [*modes, "transformers"]}
+    first_outputs = None  # the first mode's tokens (float32 "none" when listed first): agreement reference
+    figures: dict[str, dict] = {}
+    for r in range(args.rounds):
+        for mode in modes:
+            loaded = models[mode]
+            eng = run_engine(loaded, prompts, args)
+            s = eng["stats"]
+            rates[mode].append(eng["tokens_per_s"])
+            first_outputs = first_outputs or eng["outputs"]
+            agree = sum(first_outputs[i] == eng["outputs"][i] for i in range(len(prompts))) / len(prompts)
+            roof_dtype = "int8" if loaded.model.kernel_choice is not None and loaded.model.kernel_choice.w8a8_rows else dtype_name
+            peak = hw.flops["int8"] if roof_dtype == "int8" else peaks[dtype_name]
+            roof = step_roofline(loaded.config, s, roof_dtype, dtype_name, hw.bandwidth, peak)
+            step_ms = 1e3 * s.total_time / s.steps
+            kernels = dict(loaded.model.kernel_choice.steps) if loaded.model.kernel_choice is not None else {}
+            print(f"round {r} engine {mode:5s}: {eng['tokens_per_s']:7.1f} tok/s  mean batch {s.mean_running_batch:.1f}"
+                  f"  step {step_ms:.1f} ms = {100 * roof['per_step_ms'] / step_ms:.0f}% of the {roof_dtype} roofline"
+                  f"  kernels {kernels}  same tokens as {modes[0]} {100 * agree:.0f}%", flush=True)
+            figures[mode] = {"stats": s.as_dict(), "roofline": roof, "step_ms": step_ms, "kernels": kernels}
+        ref = run_transformers(hf, prompts, hf_batch, args.new_tokens)
+        rates["transformers"].append(ref["tokens_per_s"])
+        print(f"round {r} transformers {best_dtype} ({attn}, batch {hf_batch}): {ref['tokens_per_s']:.1f} tok/s  "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+    hf_rate = max(rates["transformers"])
+    print(f"best of {args.rounds} round(s); load {os.getloadavg()}")
+    for mode in modes:
+        print(f"  engine {mode:5s} {max(rates[mode]):7.1f} tok/s = {max(rates[mode]) / hf_rate:.2f}x transformers "
+              f"({hf_rate:.1f} tok/s)")
     if args.json:
-        figures = {
-            "dtype": dtype_name, "load": os.getloadavg()[0], "bandwidth": bandwidth, "peaks": peaks,
-            "engine_tokens_per_s": eng["tokens_per_s"], "transformers_tokens_per_s": best[2], "ratio": ratio,
-            "stats": s.as_dict(), "roofline": roof, "step_ms": step_ms,
-        }
+        out = {"load": os.getloadavg(), "cpu_flags": cpu_flags(), "bandwidth": hw.bandwidth, "peaks": hw.flops,
+               "auto": auto.as_dict(), "rates": rates, "engine": figures,
+               "transformers": {"dtype": best_dtype, "attn": attn, "batch": hf_batch}}
         with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Pick the weight-only matmul for where the activations live: Triton on CUDA, torch on CPU.
+"""Pick the quantized matmul for where the activations live: Triton on CUDA, torch on CPU.
 
-On CPU, weights already converted for torch's kernels (`CpuPacked`, bfloat16 activations) run there;
-otherwise the weight is dequantized in float32 (bit-exact, the reference path) and multiplied densely.
+Weight-only: on CPU, weights already converted for torch's kernels (`CpuPacked`, bfloat16 activations) run
+there; otherwise the weight is dequantized in float32 (bit-exact, the reference path) and multiplied densely.
+W8A8 (`kernels.w8a8_reference`): `torch._int_mm` on CPU (oneDNN's int8 GEMM, VNNI/AMX where present),
+the Triton int8 GEMM on CUDA.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_matmul
 from kernels.wq_reference import dequantize
 
@@ -27,3 +30,16 @@ def wq_matmul(
 def packed_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     """y = x W^T for a weight converted for torch's CPU kernels; other activation dtypes are cast."""
     return cpu_matmul(x.to(CPU_ACTIVATION_DTYPE), packed).to(x.dtype)
+
+
+def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T with int8 x int8 products (int32 sums); qweight int8 [N, K], wscale [N, 1]; y in x's dtype."""
+    if x.is_cuda:
+        from kernels.w8a8_triton import w8a8_matmul_triton
+
+        return w8a8_matmul_triton(x, qweight, wscale)
+    x2 = x.reshape(-1, x.shape[-1])
+    q, sx = quantize_rows(x2)
+    acc = torch._int_mm(q, qweight.t())
+    y = acc.float().mul_(sx).mul_(wscale.reshape(1, -1))  # one int32 -> float pass, the scales in place
+    return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])

@@ -29,6 +29,12 @@ class CpuPacked:
     group_size: int
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without it torch emulates bf16
+    and the weight-only CPU kernels lose to float32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_supports(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> bool:
     """Whether a torch CPU kernel takes this weight: int4 with mins, N a multiple of 16 and groups of
     32, 64, 128 or 256; or int8 with one scale per output channel."""

@@ -99,8 +99,10 @@ class ModelSection:
     path: str | None = None
     cache_dir: str | None = None  # local copies of remote models; null: ~/.cache/llm-batch-pipeline/models
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (resolve_dtype)
-    quant: str = "none"  # none | int8 | int4 | gguf: weight-only quantized linears (docs: quantized weights)
+    quant: str = "none"  # none | int8 | int4 | gguf | w8a8 | fp8 | auto (docs/quantization.md)
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
+    quant_w8a8_rows: int | None = 16  # int8/int4/gguf: steps of >= this many tokens run W8A8; null: never
+    quant_lm_head: str = "auto"  # LM head in W8A8 steps: int8 | bf16 | none | auto (bf16 where native, else int8)
 
 
 @dataclass
@@ -321,7 +323,10 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         if value is not None and (not isinstance(value, str) or not value):
             raise JobError(f"invalid config `model.{key}`: {value!r}; expected a non-empty string or null")
     _choice("model.dtype", schema.model.dtype, DTYPE_CHOICES)
-    _choice("model.quant", schema.model.quant, QUANT_SCHEMES)
+    _choice("model.quant", schema.model.quant, (*QUANT_SCHEMES, "auto"))
+    if schema.model.quant_w8a8_rows is not None:
+        _positive("model.quant_w8a8_rows", schema.model.quant_w8a8_rows)
+    _choice("model.quant_lm_head", schema.model.quant_lm_head, LM_HEAD_CHOICES)
     _choice("model.quant_group_size", schema.model.quant_group_size, QUANT_GROUP_SIZES)
     _choice("progress.mode", schema.progress.mode, PROGRESS_MODES)
     _positive("progress.log_every_s", schema.progress.log_every_s)
@@ -344,6 +349,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 JOB_FILE_GROUP = "job_file"
 # Config groups a job file may select by name (`model: smollm2-135m`) instead of giving their keys.
 CONFIG_GROUPS = ("model", "hardware")
+LM_HEAD_CHOICES = ("auto", "int8", "bf16", "none")
 
 
 def hydra_argv(argv: list[str]) -> list[str]:

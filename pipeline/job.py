@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import pyarrow as pa
 
@@ -33,6 +33,10 @@ from pipeline.plan.window import PrefillLowerBound, WindowPlanner
 from pipeline.source.columns import column_specs, id_type
 from pipeline.source.files import ParquetSource
 from pipeline.source.prompts import PromptBuilder
+
+if TYPE_CHECKING:
+    from pipeline.perf.quant_choice import QuantChoice
+    from pipeline.perf.roofline import HardwareProfile
 
 log = logging.getLogger("pipeline")
 
@@ -54,12 +58,46 @@ def _model_path(cfg: JobConfig) -> tuple[str, str]:
     return str(path), cfg.model.name or checkpoint_name(path)
 
 
-def _model_options(cfg: JobConfig) -> dict[str, Any]:
-    """How every rank loads the model (the job's rank 0, its workers, or torchrun's ranks)."""
+def _model_options(cfg: JobConfig, quant: QuantChoice | None = None) -> dict[str, Any]:
+    """How every rank loads the model (the job's rank 0, its workers, or torchrun's ranks); `quant` is
+    what model.quant=auto resolved to."""
     import torch
 
-    return {"dtype": getattr(torch, resolve_dtype(cfg.model.dtype, cfg.engine.device)), "device": cfg.engine.device, "quant": cfg.model.quant,
-            "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel}
+    scheme, rows, head = cfg.model.quant, cfg.model.quant_w8a8_rows, cfg.model.quant_lm_head
+    if scheme == "auto" and quant is None:
+        raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
+    if quant is not None:
+        scheme, rows, head = quant.scheme, quant.w8a8_rows, quant.lm_head if head == "auto" else head
+    elif head == "auto":
+        head = "bf16" if _bf16_native(cfg.engine.device) else "int8"
+    return {"dtype": getattr(torch, resolve_dtype(cfg.model.dtype, cfg.engine.device)), "device": cfg.engine.device, "quant": scheme,
+            "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel,
+            "w8a8_rows": rows, "quant_lm_head": head}
+
+
+def _bf16_native(device: str) -> bool:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    from kernels.wq_cpu import native_bf16
+
+    return native_bf16()
+
+
+def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile) -> QuantChoice:
+    """Resolve model.quant=auto from the hardware profile's peaks (the probe's, on CPU); logged with why."""
+    from pipeline.model.loader import open_model_file
+    from pipeline.perf.quant_choice import choose_quant
+
+    if cfg.engine.tensor_parallel > 1:
+        raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
+    weight_only = "gguf" if model_path.endswith(".gguf") else "int4"
+    choice = choose_quant(open_model_file(model_path).config, hw, weight_only, _bf16_native(cfg.engine.device),
+                          cfg.engine.max_batch_size)
+    log.info("model.quant=auto -> %s (W8A8 from %s rows, LM head %s): %s", choice.scheme, choice.w8a8_rows,
+             choice.lm_head, choice.reason)
+    return choice
 
 
 @dataclass
@@ -196,8 +234,15 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     from pipeline.engine.engine import Engine
     from pipeline.parallel.runner import open_model
 
+    hardware = None
+    if cfg.output.report or cfg.model.quant == "auto":
+        from pipeline.perf.probe import hardware_profile
+
+        hardware = hardware_profile(cfg.resolved["hardware"])
+    quant = _choose_quant(cfg, model_path, hardware) if cfg.model.quant == "auto" else None
+    options = _model_options(cfg, quant)
     try:
-        sharded = resources.enter_context(open_model(model_path, **_model_options(cfg)))
+        sharded = resources.enter_context(open_model(model_path, **options))
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"cannot load model {model_path}: {e}") from None
     loaded = sharded.loaded
@@ -209,12 +254,14 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
 
     roof = None
     if cfg.output.report:
-        from pipeline.perf.probe import hardware_profile
         from pipeline.perf.roofline import Roofline
 
-        roof = Roofline.of(loaded.config, hardware_profile(cfg.resolved["hardware"]),
-                           resolve_dtype(cfg.model.dtype, cfg.engine.device),
-                           tp=cfg.engine.tensor_parallel)
+        int8 = options["quant"] == "w8a8" or (options["quant"] != "none" and options["w8a8_rows"] is not None
+                                               and options["w8a8_rows"] <= cfg.engine.max_batch_size)
+        # W8A8 steps: int8 weights and the int8 peak (where the hardware profile has one)
+        int8 = int8 and "int8" in hardware.flops
+        roof = Roofline.of(loaded.config, hardware, resolve_dtype(cfg.model.dtype, cfg.engine.device), tp=cfg.engine.tensor_parallel,
+                           weights="int8" if int8 else None, compute_dtype="int8" if int8 else None)
     recorder = RunRecorder(roof, interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
@@ -269,7 +316,10 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                                        if stats.model_time else 0.0),
         "engine": stats.as_dict(),
         "model": {"name": model_name, "path": model_path, "loaded_name": loaded.name,
-                  "dtype": resolve_dtype(cfg.model.dtype, cfg.engine.device)},
+                  "dtype": resolve_dtype(cfg.model.dtype, cfg.engine.device), "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
+                  "quant_lm_head": options["quant_lm_head"],
+                  "quant_auto": None if quant is None else quant.as_dict(),
+                  "kernel_steps": dict(getattr(loaded.model.kernel_choice, "steps", {}))},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),
         "shard": {"index": run_state.shard_index, "count": run_state.num_shards},

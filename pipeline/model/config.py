@@ -17,8 +17,10 @@ def read_json(path: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({e})") from e
 
 
-# Weight-only quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py).
-QUANT_SCHEMES = ("none", "int8", "int4", "gguf", "fp8")
+# Quantization schemes of the linear layers and int4 group sizes (pipeline/model/quant.py): weight-only
+# int8 / int4 / gguf, w8a8 (int8 weights and activations) and fp8 (FP8 W8A8, CUDA only). The job also takes
+# "auto" (chosen by regime).
+QUANT_SCHEMES = ("none", "int8", "int4", "gguf", "w8a8", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 
 

@@ -106,9 +106,13 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim**-0.5
+        # Set by pipeline.model.quant.attach_w8a8: picks each step's matmul kernel and counts its steps.
+        self.kernel_choice = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        if self.kernel_choice is not None:
+            self.kernel_choice.record(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope(positions)
         for layer in self.layers:

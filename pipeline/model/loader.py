@@ -100,12 +100,15 @@ def load_model(
     device: str | torch.device = "cpu",
     quant: str = "none",
     quant_group_size: int = 32,
+    w8a8_rows: int | None = None,
+    quant_lm_head: str = "int8",
 ) -> LoadedModel:
     """Build the Llama model of `path` (default: SmolLM2) with its weights in `dtype` on `device`.
 
     Weights are read one tensor at a time and each tensor-parallel rank keeps only its shard.
-    `quant` (none, int8, int4, gguf) stores the linear layers weight-only quantized (pipeline.model.quant);
-    `quant_group_size` is the int4 group.
+    `quant` (none, int8, int4, gguf, w8a8) stores the linear layers quantized (pipeline.model.quant);
+    `quant_group_size` is the int4 group; weight-only schemes run steps of >= `w8a8_rows` tokens in W8A8
+    (None: never), and `quant_lm_head` (int8, bf16, none) is the LM head's kernel in those steps.
     """
     if quant not in QUANT_SCHEMES:
         raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_SCHEMES})")
@@ -121,6 +124,6 @@ def load_model(
     if quant == "none":
         model.load_weights(ckpt.tensors(dtype))
     else:
-        load_quantized(model, ckpt, quant, quant_group_size)
+        load_quantized(model, ckpt, quant, quant_group_size, w8a8_rows, quant_lm_head)
     model.eval()
     return LoadedModel(model, tokenizer, ckpt.config, ckpt.name, str(ckpt.path))

@@ -5,7 +5,14 @@ Schemes (`model.quant`):
 - int4: asymmetric, one (scale, min) per group of `group_size` inputs, round-to-nearest (W4A16).
 - gguf: the checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks, rearranged but never re-quantized; dequantized
   they equal `gguf.quants.dequantize` bit for bit.
-Embeddings and the LM head stay in the model dtype (docs/quantization.md gives the measured cost).
+- w8a8: int8 weights per output channel (from float weights, or GGUF blocks dequantized then requantized)
+  times int8 activations per token, int32 sums (`kernels.w8a8_reference`): int8 arithmetic, for the
+  compute-bound large batches.
+- fp8: FP8 W8A8 on CUDA GPUs with FP8 tensor cores (`pipeline.model.fp8_linear`).
+Weight-only schemes can also switch per call: `attach_w8a8` gives each linear a second, int8 per-channel
+layout used for calls with at least `KernelChoice.w8a8_rows` rows (large batches, where dequantizing per
+call or bfloat16 emulation would be slower than float32). Embeddings stay in the model dtype; the LM head
+too, except in W8A8 calls (`QuantLMHead`: an int8 or bfloat16 copy).
 
 Tensor parallelism: each rank keeps exactly its slice of the TP=1 quantized weight. Column-parallel ranks
 quantize their own rows; row-parallel ranks quantize whole rows and slice the inputs, so a rank's inputs
@@ -14,21 +21,39 @@ must be whole groups (int4, gguf), otherwise construction fails with an error na
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import packed_matmul, wq_matmul
-from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, pack_for_cpu
+from kernels.dispatch import packed_matmul, w8a8_matmul, wq_matmul
+from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, native_bf16, pack_for_cpu
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.fp8_linear import Fp8Linear
-from pipeline.model.layers import ParallelLinear
+from pipeline.model.layers import LMHead, ParallelLinear
 
 GGUF_BLOCK = 32
+
+
+@dataclass
+class KernelChoice:
+    """Which matmul a model step runs, by its number of rows (tokens), shared by all quantized linears of
+    a model; `steps` counts the forward passes per kernel (reported in metrics.json)."""
+
+    weight_only: str  # the weight-only kernel's name, e.g. "gguf"; "" when every call is W8A8
+    w8a8_rows: int | None  # calls with at least this many rows run W8A8; None: never
+    steps: Counter = field(default_factory=Counter)
+
+    def uses_w8a8(self, rows: int) -> bool:
+        return self.w8a8_rows is not None and rows >= self.w8a8_rows
+
+    def record(self, rows: int) -> None:
+        self.steps["w8a8" if self.uses_w8a8(rows) else self.weight_only] += 1
 
 
 @dataclass(frozen=True)
@@ -80,13 +105,13 @@ class QuantizedTensor:
 
 def quantize_tensor(w: torch.Tensor, scheme: str, group_size: int) -> QuantizedTensor:
     """Round-to-nearest quantization of a float weight [N, K] (int8: per channel; int4: per group)."""
-    if scheme == "int8":
+    if scheme in ("int8", "w8a8"):
         q, s = quantize_int8(w)
         return QuantizedTensor(8, q, s, None)
     if scheme == "int4":
         q, s, m = quantize_int4(w, group_size)
         return QuantizedTensor(4, q, s, m)
-    raise ValueError(f"cannot quantize float weights with scheme {scheme!r} (int8 or int4)")
+    raise ValueError(f"cannot quantize float weights with scheme {scheme!r} (int8, int4 or w8a8)")
 
 
 def from_gguf_blocks(blocks: np.ndarray, qtype, shape: tuple[int, ...], name: str = "tensor") -> QuantizedTensor:
@@ -136,7 +161,7 @@ class QuantLinear(ParallelLinear):
         if scheme not in QUANT_SCHEMES[1:]:
             raise ValueError(f"quant scheme {scheme!r} is not one of {QUANT_SCHEMES[1:]}")
         group = GGUF_BLOCK if scheme == "gguf" else group_size
-        if scheme != "int8" and self.in_features % group:
+        if scheme in ("int4", "gguf") and self.in_features % group:
             raise ValueError(
                 f"{self.in_features} input features per rank (tensor_parallel={self.tp.size}) are not a "
                 f"multiple of the quantization group size {group}"
@@ -144,10 +169,11 @@ class QuantLinear(ParallelLinear):
         self.scheme = scheme
         self.group_size = group_size
         self.bits = 0
-        for buffer in ("qweight", "scales", "mins", "packed_weight", "packed_scales"):
+        for buffer in ("qweight", "scales", "mins", "packed_weight", "packed_scales", "w8a8_weight", "w8a8_scales"):
             self.register_buffer(buffer, None)
         self.packed_group = 0
         self.rows_loaded = 0
+        self.choice: KernelChoice | None = None  # set by `attach_w8a8`
 
     def _allocate(self, part: QuantizedTensor) -> None:
         rows, dev = self.out_features, self.device
@@ -221,15 +247,79 @@ class QuantLinear(ParallelLinear):
             return None
         return CpuPacked(self.bits, self.packed_weight, self.packed_scales, self.packed_group)
 
+    def attach_w8a8(self, choice: KernelChoice) -> None:
+        """Add the int8 per-channel layout W8A8 calls use (the weight itself when it already is one)."""
+        if self.qweight is None:
+            raise RuntimeError("attach_w8a8 needs the loaded weights in their original layout")
+        if self.bits == 8 and self.scales.shape[1] == 1 and self.scales.dtype == torch.float32:
+            self.w8a8_weight, self.w8a8_scales = self.qweight, self.scales
+        else:
+            self.w8a8_weight, self.w8a8_scales = quantize_int8(self.dequantize())
+        self.choice = choice
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = self.cpu_packed
-        if packed is not None:
+        if self.choice is not None and self.choice.uses_w8a8(x.shape[0]):
+            y = w8a8_matmul(x, self.w8a8_weight, self.w8a8_scales)
+        elif packed is not None:
             y = packed_matmul(x, packed)
         elif self.qweight is None:
             raise RuntimeError("QuantLinear used before its weights were loaded")
         else:
             y = wq_matmul(x, self.qweight, self.scales, self.mins, self.bits)
         return y if bias is None else y + bias
+
+
+LM_HEAD_MODES = ("int8", "bf16", "none")
+
+
+class QuantLMHead(LMHead):
+    """The LM head with a compact copy of its weight for W8A8 calls: "int8" (per-channel weights, W8A8:
+    fastest, but the final hidden state's outlier channels cost ~2% perplexity on SmolLM2) or "bf16"
+    (bfloat16 weight and activations, float32 sums: near-exact, fast where bf16 is native). The float
+    weight stays for the other calls and, when tied, as the embedding table."""
+
+    def __init__(self, head: LMHead, choice: KernelChoice, mode: str):
+        nn.Module.__init__(self)
+        self.tp, self.vocab_size, self.local_vocab = head.tp, head.vocab_size, head.local_vocab
+        self.weight = head.weight
+        self.mode = mode
+        if mode == "int8":
+            q, s = quantize_int8(head.weight.data.float())
+        else:
+            q, s = head.weight.data.to(torch.bfloat16), None
+        self.register_buffer("fast_weight", q)
+        self.register_buffer("fast_scales", s)
+        self.choice = choice
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.choice.uses_w8a8(hidden.shape[0]):
+            return super().forward(hidden)
+        if self.mode == "int8":
+            logits = w8a8_matmul(hidden, self.fast_weight, self.fast_scales).float()
+        else:
+            logits = F.linear(hidden.to(torch.bfloat16), self.fast_weight).float()
+        return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+
+
+def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: str) -> KernelChoice:
+    """Let a loaded quantized model run calls of >= `w8a8_rows` rows in W8A8 (None: never; quant=w8a8
+    always); `lm_head` ("int8", "bf16", "none") is the LM head's kernel for those calls. Sets
+    `model.kernel_choice`."""
+    rows = 1 if scheme == "w8a8" else w8a8_rows
+    if rows is not None and rows < 1:
+        raise ValueError(f"w8a8_rows must be >= 1 or None, got {rows}")
+    if lm_head not in LM_HEAD_MODES:
+        raise ValueError(f"quant_lm_head={lm_head!r} is not one of {LM_HEAD_MODES}")
+    choice = KernelChoice("" if scheme == "w8a8" else scheme, rows)
+    if rows is not None:
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.attach_w8a8(choice)
+        if lm_head != "none" and (lm_head != "bf16" or model.dtype != torch.bfloat16):
+            model.lm_head = QuantLMHead(model.lm_head, choice, lm_head)
+    model.kernel_choice = choice
+    return choice
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, weights_loaded: bool) -> nn.Module:
@@ -298,20 +388,26 @@ def gguf_quantized_tensors(ckpt) -> Iterator[tuple[str, torch.Tensor | Quantized
             yield name, torch.from_numpy(np.array(gguf_dequantize(raw.blocks, raw.qtype)).reshape(raw.shape))
 
 
-def load_quantized(model: nn.Module, ckpt, scheme: str, group_size: int = 32) -> None:
-    """Swap the linears for `scheme` and load `ckpt` (a GGUFCheckpoint or HFCheckpoint) into them.
+def load_quantized(
+    model: nn.Module, ckpt, scheme: str, group_size: int = 32, w8a8_rows: int | None = None, lm_head: str = "int8"
+) -> None:
+    """Swap the linears for `scheme` and load `ckpt` (a GGUFCheckpoint or HFCheckpoint) into them, then
+    enable W8A8 calls (`attach_w8a8`: always for w8a8, from `w8a8_rows` rows for the weight-only schemes).
 
-    A bfloat16 model on CPU is then converted for torch's CPU kernels (the fast path there); float32
-    keeps the exact layout and computes with the dequantized weights.
+    On CPU the weights are then converted for torch's weight-only kernels (bfloat16 activations, the fast
+    path there) when the model is bfloat16, or when W8A8 calls are on and the CPU has native bfloat16 (the
+    run chose speed over exactness); otherwise float32 keeps the exact layout and dequantizes per call.
     """
     quantize_model(model, scheme, group_size, weights_loaded=False)
     if scheme == "gguf":
         if not hasattr(ckpt, "raw_hf_tensors"):
             raise ValueError(f"{ckpt.path}: quant=gguf needs a GGUF checkpoint (use int8 or int4 here)")
         tensors: Iterable = gguf_quantized_tensors(ckpt)
-    else:
+    else:  # GGUF files: any block type, dequantized by the gguf package, then quantized here
         tensors = ckpt.tensors(torch.float32)
     model.load_weights(tensors)
     check_loaded(model)
-    if model.dtype == CPU_ACTIVATION_DTYPE and model.norm.weight.device.type == "cpu":
+    attach_w8a8(model, scheme, w8a8_rows, lm_head)
+    fast = model.dtype == CPU_ACTIVATION_DTYPE or (w8a8_rows is not None and native_bf16())
+    if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
         pack_model_for_cpu(model)

@@ -48,9 +48,12 @@ class ShardSpec:
     dtype: torch.dtype = torch.float32
     quant: str = "none"
     quant_group_size: int = 32
+    w8a8_rows: int | None = None
+    quant_lm_head: str = "int8"
 
     def build(self, group: TPGroup, device: str) -> RunnerWorker:
-        loaded = load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size)
+        loaded = load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size,
+                            self.w8a8_rows, self.quant_lm_head)
         return RunnerWorker(loaded.model, torch.device(device))
 
 
@@ -114,6 +117,8 @@ def open_model(
     tensor_parallel: int = 1,
     threads: int | None = None,
     timeout_s: float = 300.0,
+    w8a8_rows: int | None = None,
+    quant_lm_head: str = "int8",
 ) -> Iterator[ShardedModel]:
     """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
 
@@ -125,10 +130,10 @@ def open_model(
     """
     device = _resolve_device(device)
     if tensor_parallel == 1:
-        yield ShardedModel(load_model(path, dtype, SINGLE, device, quant, quant_group_size))
+        yield ShardedModel(load_model(path, dtype, SINGLE, device, quant, quant_group_size, w8a8_rows, quant_lm_head))
         return
     open_model_file(path).config.check_tensor_parallel(tensor_parallel)
-    spec = ShardSpec(str(path), dtype, quant, quant_group_size)
+    spec = ShardSpec(str(path), dtype, quant, quant_group_size, w8a8_rows, quant_lm_head)
     env = TorchrunEnv.from_env()
     driver: StepDriver
     if env is None:
@@ -143,7 +148,7 @@ def open_model(
     ok = False
     try:
         device = rank_device(device, env.local_rank if env else 0)
-        loaded = load_model(path, dtype, group, device, quant, quant_group_size)
+        loaded = load_model(path, dtype, group, device, quant, quant_group_size, w8a8_rows, quant_lm_head)
         driver.wait_ready()
         yield ShardedModel(loaded, driver)
         ok = True
@@ -160,6 +165,8 @@ def serve_as_torchrun_worker(
     tensor_parallel: int = 1,
     threads: int | None = None,
     timeout_s: float = 300.0,
+    w8a8_rows: int | None = None,
+    quant_lm_head: str = "int8",
 ) -> bool:
     """Under torchrun, ranks > 0 only hold a shard: load it, serve rank 0's steps until it stops, then
     return True. Returns False at once on rank 0 and outside torchrun (the caller runs the job).
@@ -170,7 +177,7 @@ def serve_as_torchrun_worker(
     if env is None or env.rank == 0 or tensor_parallel == 1:
         return False
     open_model_file(path).config.check_tensor_parallel(tensor_parallel)
-    spec = ShardSpec(str(path), dtype, quant, quant_group_size)
+    spec = ShardSpec(str(path), dtype, quant, quant_group_size, w8a8_rows, quant_lm_head)
     _serve_torchrun(env, spec, tensor_parallel, _resolve_device(device), threads, timeout_s)
     return True
 

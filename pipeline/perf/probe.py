@@ -1,4 +1,5 @@
-"""Measure "this CPU" for the roofline in a few seconds: memory bandwidth and fp32 / bf16 matmul peaks.
+"""Measure "this CPU" for the roofline in a few seconds: memory bandwidth, fp32 / bf16 matmul peaks, the
+int8 GEMM peak (`torch._int_mm`, what W8A8 linears run) and whether bfloat16 is native.
 
 Bandwidth is a STREAM-style triad (a = b + s*c over arrays far larger than the caches, 3 arrays moved per
 pass), best of a few passes; a peak is the best of a few square matmuls. Both use torch's current thread
@@ -18,19 +19,22 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from kernels.wq_cpu import native_bf16
 from pipeline.config import CONF_DIR
 from pipeline.errors import JobError
 from pipeline.perf.roofline import HardwareProfile
 
 HARDWARE_DIR = CONF_DIR / "hardware"
+MEASURED_PEAKS = ("fp32", "bf16", "int8")
 
 
 @dataclass(frozen=True)
 class ProbeResult:
     bandwidth: float  # bytes/s
-    flops: dict[str, float]  # "fp32" / "bf16" -> FLOP/s
+    flops: dict[str, float]  # "fp32" / "bf16" / "int8" -> FLOP/s (int8: integer multiply-adds x 2)
     memory: float  # bytes of physical RAM
     threads: int
+    bf16_native: bool = False  # AVX512-BF16 / AMX: bf16 matmuls are not emulated
 
 
 def best_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -66,6 +70,14 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> flo
     return 2 * n**3 / seconds
 
 
+def measure_int8_peak(n: int = 1024, reps: int = 5) -> float:
+    """Integer OP/s of an n x n x n `torch._int_mm` (int8 x int8, int32 sums): the W8A8 linears' GEMM."""
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    seconds = best_seconds(lambda: torch._int_mm(a, b.t()), reps)
+    return 2 * n**3 / seconds
+
+
 def physical_memory() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
@@ -77,18 +89,22 @@ def probe(bandwidth_mib: int = 256, matmul_n: int = 1024, reps: int = 5) -> Prob
         flops={
             "fp32": measure_matmul_peak(torch.float32, matmul_n, reps),
             "bf16": measure_matmul_peak(torch.bfloat16, matmul_n, reps),
+            "int8": measure_int8_peak(matmul_n, reps),
         },
         memory=physical_memory(),
         threads=torch.get_num_threads(),
+        bf16_native=native_bf16(),
     )
 
 
 def fill_hardware_config(cfg: dict, measure: Callable[[], ProbeResult] = probe) -> dict:
     """Return a `hardware` config dict with its null figures filled from a probe (only when some are null)."""
     peaks = dict(cfg.get("peak_tflops") or {"fp32": None, "bf16": None})
-    unknown = [k for k, v in peaks.items() if v is None and k not in ("fp32", "bf16")]
+    unknown = [k for k, v in peaks.items() if v is None and k not in MEASURED_PEAKS]
     if unknown:
-        raise ValueError(f"hardware {cfg.get('name')!r}: the probe measures fp32 and bf16 only; set peak_tflops.{unknown[0]}")
+        raise ValueError(
+            f"hardware {cfg.get('name')!r}: the probe measures {', '.join(MEASURED_PEAKS)} only; set peak_tflops.{unknown[0]}"
+        )
     if None not in (cfg.get("bandwidth_tbs"), cfg.get("memory_gb"), *peaks.values()):
         return dict(cfg)
     result = measure()
@@ -127,7 +143,8 @@ def main() -> None:
     """`python -m pipeline.probe`: print this machine's figures."""
     r = probe()
     print(f"threads {r.threads}: triad {r.bandwidth / 1e9:.1f} GB/s, fp32 F.linear {r.flops['fp32'] / 1e9:.0f} GFLOP/s, "
-          f"bf16 F.linear {r.flops['bf16'] / 1e9:.1f} GFLOP/s, RAM {r.memory / 2**30:.1f} GiB")
+          f"bf16 F.linear {r.flops['bf16'] / 1e9:.1f} GFLOP/s ({'native' if r.bf16_native else 'emulated'}), "
+          f"int8 _int_mm {r.flops['int8'] / 1e9:.0f} GOP/s, RAM {r.memory / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

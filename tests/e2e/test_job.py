@@ -248,8 +248,9 @@ def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, 
     n_rows = write_shards(tmp_path / "in")
     out = tmp_path / "out"
     metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, f"model.quant={quant}",
-                      "output.token_ids=true"), stdout=io.StringIO())
+                      "model.quant_w8a8_rows=null", "output.token_ids=true"), stdout=io.StringIO())
     assert metrics["weight_bytes"] < tiny_loaded.weight_bytes
+    assert metrics["model"]["kernel_steps"] == {quant: metrics["steps"]}
     df = pl.read_parquet(out / "*.parquet").sort("id")
     assert df["id"].to_list() == list(range(n_rows)) and df["error"].null_count() == n_rows
     quantized = load_model(tiny_model_dir, quant=quant)
@@ -257,6 +258,33 @@ def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, 
     row = df.row(0, named=True)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Question number 0: what comes next?"}]))
     assert row["token_ids"] == greedy(quantized.model, prompt, 4, quantized.tokenizer.eos_token_ids)
+
+
+# Fixed figures instead of the probe: int8 4x the bf16 peak, so W8A8 wins from a few rows on.
+HARDWARE = ("hardware.probe=false", "hardware.bandwidth_tbs=0.02", "hardware.memory_gb=16",
+            "hardware.peak_tflops.fp32=0.1", "hardware.peak_tflops.bf16=0.2", "hardware.peak_tflops.int8=0.8")
+
+
+@pytest.mark.parametrize("quant", ["w8a8", "auto"])
+def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
+    """W8A8 runs every step in int8 (per-row activation scales: batching does not change a row's
+    arithmetic), so the job's tokens are the plain greedy decode of the W8A8 model; auto records its
+    choice and which kernel ran how many steps."""
+    write_shards(tmp_path / "in")
+    out = tmp_path / "out"
+    metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, f"model.quant={quant}",
+                      "output.token_ids=true", *HARDWARE), stdout=io.StringIO())
+    model = metrics["model"]
+    assert sum(model["kernel_steps"].values()) == metrics["steps"]
+    if quant == "auto":
+        assert model["quant_auto"]["scheme"] == model["quant"] and model["quant_auto"]["reason"]
+        return
+    assert model["kernel_steps"] == {"w8a8": metrics["steps"]}
+    reference = load_model(tiny_model_dir, quant="w8a8", quant_lm_head=model["quant_lm_head"])
+    tok = reference.tokenizer
+    row = pl.read_parquet(out / "*.parquet").sort("id").row(0, named=True)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Question number 0: what comes next?"}]))
+    assert row["token_ids"] == greedy(reference.model, prompt, 4, tok.eos_token_ids)
 
 
 def test_gguf_quant_needs_a_gguf_file(tmp_path, tiny_model_dir):

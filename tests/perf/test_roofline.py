@@ -11,7 +11,13 @@ import yaml
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.llama import LlamaModel
-from pipeline.perf.probe import ProbeResult, fill_hardware_config, measure_bandwidth, measure_matmul_peak
+from pipeline.perf.probe import (
+    ProbeResult,
+    fill_hardware_config,
+    measure_bandwidth,
+    measure_int8_peak,
+    measure_matmul_peak,
+)
 from pipeline.perf.roofline import (
     HardwareProfile,
     Roofline,
@@ -208,12 +214,13 @@ def test_missing_hardware_figure_is_named():
 
 
 def test_probe_fills_only_missing_figures():
-    fake = ProbeResult(bandwidth=25e9, flops={"fp32": 2e11, "bf16": 4e11}, memory=24e9, threads=2)
+    fake = ProbeResult(bandwidth=25e9, flops={"fp32": 2e11, "bf16": 4e11, "int8": 8e11}, memory=24e9, threads=2)
     cpu = yaml.safe_load((HARDWARE / "cpu.yaml").read_text())
     filled = fill_hardware_config({**cpu, "bandwidth_tbs": 0.03}, measure=lambda: fake)
     hw = HardwareProfile.from_config({k: v for k, v in filled.items() if k != "probe"})
     assert hw.bandwidth == pytest.approx(30e9)  # given, not measured
     assert hw.peak("bf16") == pytest.approx(4e11) and hw.peak("fp32") == pytest.approx(2e11)
+    assert hw.peak("int8") == pytest.approx(8e11)
     assert hw.memory == pytest.approx(24e9)
     complete = {"name": "h", "bandwidth_tbs": 1, "memory_gb": 1, "peak_tflops": {"bf16": 1}}
     assert fill_hardware_config(complete, measure=lambda: pytest.fail("probed a complete profile")) == complete
@@ -222,6 +229,7 @@ def test_probe_fills_only_missing_figures():
 def test_probe_measures_plausible_figures():
     bandwidth = measure_bandwidth(mib=32, reps=2)
     flops = measure_matmul_peak(torch.float32, n=256, reps=2)
+    int_ops = measure_int8_peak(n=256, reps=2)
     assert 1e8 < bandwidth < 1e13  # 0.1 GB/s .. 10 TB/s
-    assert 1e8 < flops < 1e15
+    assert 1e8 < flops < 1e15 and 1e8 < int_ops < 1e16
     assert math.isfinite(bandwidth / flops)

@@ -1,0 +1,29 @@
+"""W8A8: int8 weights (one scale per output channel) times int8 activations (one scale per token).
+
+The weight is `kernels.wq_reference`'s int8 format with G = K (`quantize_int8(w)`): q_w [N, K] int8 and
+s_w [N, 1]. Activations are quantized on the fly, per row, symmetric absmax: s_x = max|x| / 127 and
+q_x = round(x / s_x) in -127..127. The product is accumulated exactly in int32 and scaled once:
+y[m, n] = (sum_k q_x[m, k] q_w[n, k]) * s_x[m] * s_w[n]. Every W8A8 kernel computes exactly this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q int8 [M, K], scale float32 [M, 1]); an all-zero row gets scale 1 (q = 0)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).div_(127)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    # |x / scale| <= 127 up to one rounding of scale, so the rounded value is within -127..127: no clamp pass.
+    return torch.round(xf / scale).to(torch.int8), scale
+
+
+def w8a8_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T in the W8A8 arithmetic above, with the integer dot products done in int64 (exact)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = quantize_rows(x2)
+    acc = q.long() @ qweight.long().T
+    y = acc.double() * s.double() * wscale.double().reshape(1, -1)
+    return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])

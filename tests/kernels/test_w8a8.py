@@ -1,0 +1,84 @@
+"""W8A8 kernels against the plain-torch reference (`kernels.w8a8_reference`, exact int64 sums).
+
+The CPU path (`torch._int_mm`) and the Triton GEMM (under TRITON_INTERPRET=1, small shapes) must equal the
+reference up to float32 rounding of the scaled result; the reference itself must stay within the
+quantization error bound of the float product.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from kernels.dispatch import w8a8_matmul
+from kernels.w8a8_reference import quantize_rows, w8a8_matmul_reference
+from kernels.wq_reference import quantize_int8
+
+SHAPES = [(1, 40, 96), (3, 70, 160), (17, 33, 192), (33, 16, 256), (64, 96, 576)]
+
+
+def _inputs(m, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+
+
+def test_quantize_rows_round_trip_and_zero_row():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 577, generator=gen) * 10.0 ** torch.randint(-20, 20, (64, 1), generator=gen)
+    x[2] = 0
+    q, s = quantize_rows(x)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert torch.all((q.float() * s - x).abs() <= s / 2 + 1e-7)  # round-to-nearest: half a step
+    assert s[2].item() == 1.0 and torch.all(q[2] == 0)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_reference_within_quantization_bound(m, n, k):
+    w, x = _inputs(m, n, k, seed=m + n)
+    q, s = quantize_int8(w)
+    y = w8a8_matmul_reference(x, q, s)
+    # |x w - x~ w~| <= sum_k (|dx| |w~| + |x| |dw|) with |dx| <= s_x / 2, |dw| <= s_w / 2 elementwise.
+    _, sx = quantize_rows(x)
+    bound = (sx / 2) * (q.float() * s).abs().sum(1) + x.abs() @ (s.expand(n, k) / 2).T
+    assert torch.all((y - x @ w.T).abs() <= bound * (1 + 1e-5) + 1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int_mm_matches_reference(m, n, k, dtype):
+    w, x = _inputs(m, n, k, seed=3 * m + k)
+    q, s = quantize_int8(w)
+    x = x.to(dtype)
+    y = w8a8_matmul(x.unsqueeze(0), q, s)[0]
+    ref = w8a8_matmul_reference(x, q, s)
+    assert y.dtype == dtype and y.shape == (m, n)
+    eps = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(y.float(), ref.float(), rtol=eps, atol=eps * ref.float().abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def triton_w8a8():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernel's definition (read by @triton.jit)
+    pytest.importorskip("triton")
+    import kernels.w8a8_triton as mod
+
+    if type(mod._w8a8_kernel).__name__ != "InterpretedFunction":  # imported earlier without it
+        mod = importlib.reload(mod)
+    return mod
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES[:4])
+def test_triton_matches_reference(triton_w8a8, m, n, k):
+    w, x = _inputs(m, n, k, seed=5 * m + n)
+    q, s = quantize_int8(w)
+    y = triton_w8a8.w8a8_matmul_triton(x, q, s)
+    ref = w8a8_matmul_reference(x, q, s)
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
+def test_triton_empty_batch(triton_w8a8):
+    q, s = quantize_int8(torch.randn(8, 32))
+    assert triton_w8a8.w8a8_matmul_triton(torch.empty(0, 32), q, s).shape == (0, 8)
