@@ -7,18 +7,16 @@ import torch
 
 from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import quantize_int8, wq_matmul_reference
-from pipeline.model.attention import ContiguousKVCache
 from pipeline.model.layers import LMHead
 from pipeline.model.loader import load_model
 from pipeline.model.quant import QuantLinear, QuantLMHead, attach_w8a8
+from tests.reference import prompt_logits
 
 IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
 
 
 def _logits(loaded, ids):
-    m = loaded.model
-    hidden = m(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(m.config.num_layers, m.scale))
-    return m.compute_logits(hidden)
+    return prompt_logits(loaded.model, ids)
 
 
 @pytest.fixture(scope="module")
