@@ -178,6 +178,7 @@ class JobConfig:
             "output": {"token_ids": resolved["output"]["token_ids"]},
             # which rows share a unit (plan.window_rows is in the plan numbers)
             "order": {"prefix_sort": resolved.get("plan", {}).get("prefix_sort")},
+            "seeds": "row",  # each row's seed hashes (job seed, row id): see engine.sequence.row_seed
         }
 
 

@@ -80,6 +80,7 @@ class _Run:
         self.state = state
         self.writer = writer
         self.id_column = id_column
+        self.builder = builder
         self.pending: dict[int, _Pending] = {}
         self.planner = WindowPlanner(builder.prepare, cfg.plan.prefix_sort)  # tokenizes each row once
         self.bound = PrefillLowerBound()
@@ -110,7 +111,7 @@ class _Run:
             self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n)
             self.bound.add(unit.window, prepared.token_ids)
             fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
-            yield Request(seq, prepared.token_ids, prepared.sampling)
+            yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id))
             seq += 1
 
     def _reject(self, base: dict[str, Any], unit: Unit, position: int, error: str, prompt_tokens: int) -> None:
@@ -210,7 +211,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     t_loaded = time.perf_counter()
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
 
-    builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len)
+    builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len, cfg.engine.seed)
     writer = UnitWriter(run_state, sink, cfg.sampling.n)
     progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
     state = _Run(cfg, source, run_state, writer, builder, cfg.input.id_column if ids else None)

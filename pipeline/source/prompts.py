@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
+from pipeline.engine.sequence import row_seed
 
 ROLES = ("system", "user", "assistant")
 
@@ -34,6 +35,7 @@ class Prepared:
     sampling: SamplingParams | None
     error: str | None = None
     prompt_tokens: int = 0  # tokens of the (possibly truncated) prompt; known for over-long rows too
+    own_seed: bool = False  # the row's seed column set `sampling.seed`
 
 
 class RowError(ValueError):
@@ -76,11 +78,20 @@ class PromptBuilder:
     """Applies the input section of the config to rows, with the model's tokenizer and length limit."""
 
     def __init__(self, tokenizer: ChatTokenizer, inp: InputConfig, sampling: SamplingParams,
-                 max_model_len: int) -> None:
+                 max_model_len: int, job_seed: int = 0) -> None:
         self.tokenizer = tokenizer
         self.inp = inp
         self.sampling = sampling
         self.max_model_len = max_model_len
+        self.job_seed = sampling.seed if sampling.seed is not None else job_seed
+
+    def seeded(self, prepared: Prepared, row_id: Any) -> SamplingParams:
+        """The row's sampling with its own seed: the row's seed column, else `row_seed(job seed, row id)`."""
+        sampling = prepared.sampling
+        assert sampling is not None, "an error row has no sampling"
+        if prepared.own_seed or sampling.greedy:
+            return sampling
+        return dataclasses.replace(sampling, seed=row_seed(self.job_seed, row_id))
 
     def prepare(self, row: Mapping[str, Any]) -> Prepared:
         """The row's prompt and sampling, or an error row's reason (never raises for bad row content)."""
@@ -91,7 +102,8 @@ class PromptBuilder:
             fitted = self._fit(tokens, sampling.max_tokens)
         except RowError as e:
             return Prepared(None, None, str(e), len(tokens))
-        return Prepared(fitted, sampling, None, len(fitted))
+        own_seed = "seed" in self.inp.sampling_columns and not _missing(row.get("seed"))
+        return Prepared(fitted, sampling, None, len(fitted), own_seed)
 
     def _sampling(self, row: Mapping[str, Any]) -> SamplingParams:
         overrides = {k: row[k] for k in self.inp.sampling_columns if not _missing(row.get(k))}
