@@ -48,7 +48,7 @@ def run_job(model: Path, inp: Path, out: Path, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     subprocess.run(args, cwd=REPO, env=env, check=True)
     wall = time.perf_counter() - t0
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / "_metrics.json").read_text())
     return {"rows": metrics["rows"], "wall_s": round(wall, 1), "rows_per_s": round(metrics["rows"] / wall),
             "peak_rss_mib": round(metrics["peak_memory_bytes"] / 2**20, 1)}
 

@@ -26,7 +26,7 @@ from pipeline.faults import fault_point
 from pipeline.output.commit import UnitWriter
 from pipeline.output.run_state import RunState
 from pipeline.output.signals import GracefulStop, Interrupted
-from pipeline.output.sink import ParquetSink, result_schema
+from pipeline.output.sink import ParquetSink, metrics_name, report_dir_name, result_schema
 from pipeline.perf.progress import Counters, make_progress, prefill_efficiency, summary
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
@@ -146,7 +146,7 @@ def _peak_rss_bytes() -> int:
 
 
 def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
-    """Run the job; returns the metrics also written to `metrics.json`. Raises JobError for job-level errors."""
+    """Run the job; returns the metrics also written to `_metrics.json`. Raises JobError for job-level errors."""
     with contextlib.ExitStack() as resources:  # tensor-parallel workers live as long as the run
         return _run(cfg, stdout or sys.stdout, resources)
 
@@ -272,11 +272,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "config": cfg.resolved,
         "timeseries": recorder.to_json(),
     }
-    sink.finish(metrics, "metrics.json" if run_state.num_shards == 1 else
-                f"metrics-shard-{run_state.shard_index:05d}-of-{run_state.num_shards:05d}.json")
+    sink.finish(metrics, metrics_name(run_state.num_shards, run_state.shard_index))
     if cfg.output.report:
-        folder = cfg.output.path if run_state.num_shards == 1 else \
-            f"{cfg.output.path.rstrip('/')}/report-shard-{run_state.shard_index:05d}"
+        folder = f"{cfg.output.path.rstrip('/')}/{report_dir_name(run_state.num_shards, run_state.shard_index)}"
         keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
                 "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
                 "preemptions", "evictions")

@@ -22,7 +22,24 @@ from fsspec.core import url_to_fs
 from pipeline.errors import JobError
 from pipeline.output.ledger import part_name, write_whole
 
-METRICS_FILE = "metrics.json"
+# Only part files have visible names: dataset readers (pyarrow.dataset, polars, Spark, `datasets`) skip
+# names starting with "_" or ".", so everything else the job writes is named that way.
+METRICS_FILE = "_metrics.json"
+REPORT_DIR = "_report"
+
+
+def _shard_suffix(num_shards: int, shard_index: int) -> str:
+    return "" if num_shards == 1 else f"-shard-{shard_index:05d}-of-{num_shards:05d}"
+
+
+def metrics_name(num_shards: int = 1, shard_index: int = 0) -> str:
+    """`_metrics.json`, or `_metrics-shard-<i>-of-<n>.json` for one shard of a split run."""
+    return f"_metrics{_shard_suffix(num_shards, shard_index)}.json"
+
+
+def report_dir_name(num_shards: int = 1, shard_index: int = 0) -> str:
+    """`_report`, or `_report-shard-<i>-of-<n>` for one shard of a split run."""
+    return f"{REPORT_DIR}{_shard_suffix(num_shards, shard_index)}"
 
 
 def result_schema(id_type: pa.DataType, passthrough: Mapping[str, pa.DataType], token_ids: bool,

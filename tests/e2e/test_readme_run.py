@@ -28,7 +28,7 @@ def test_readme_command_on_smollm2(tmp_path, smollm2_path):
     assert sorted(got["id"].to_list()) == sorted(want["id"].to_list())  # every row once, same ids
     assert got["error"].null_count() == len(got) and (got["completion_tokens"] >= 1).all()
     assert got["text"].str.len_chars().sum() > 0
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / "_metrics.json").read_text())
     assert metrics["rows"] == len(want) and metrics["generated_tokens"] == got["completion_tokens"].sum()
     # stdout is a pipe, not a terminal: plain progress lines, then the summary table
     assert f"rows {len(want)}/{len(want)} (100.0%)" in done.stdout
