@@ -29,7 +29,7 @@ from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-OUTPUT_MODES = ("resume", "overwrite", "fail_if_exists")
+OUTPUT_MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # Columns the job writes itself; a passthrough column may not take one of these names.
 RESULT_COLUMNS = (
@@ -63,7 +63,8 @@ class OutputConfig:
     rows_per_part: int = 1000  # input rows per Parquet part = per checkpointed unit (redone whole after a crash)
     compression: str = "zstd"
     # resume: continue a run with the same _job.json fingerprint (refuse a different one); overwrite: delete
-    # our files there first; fail_if_exists: refuse an output that already holds a job.
+    # the files the job there wrote first; overwrite_all: delete everything there first; fail_if_exists:
+    # refuse an output that already holds a job.
     mode: str = "resume"
     lease_timeout_s: float = 60.0  # a writer's lease without heartbeat for this long may be taken over
     report: bool = False  # also write report.html and PNG plots of the run's time series (README: "The numbers")

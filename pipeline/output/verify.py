@@ -15,8 +15,7 @@ import sys
 from fsspec.core import url_to_fs
 
 from pipeline.output.ledger import Ledger, VerifyReport
-from pipeline.output.manifest import read_manifest
-from pipeline.plan.units import InputFile, WorkPlan
+from pipeline.output.manifest import plan_of, read_manifest
 
 
 def verify_output(url: str) -> VerifyReport:
@@ -25,8 +24,7 @@ def verify_output(url: str) -> VerifyReport:
     if manifest is None:
         raise FileNotFoundError(f"{url} has no _job.json: not the output of a job")
     fp = manifest["fingerprint"]
-    plan_fp = fp["plan"]
-    plan = WorkPlan(tuple(InputFile(*f) for f in plan_fp["files"]), plan_fp["window_rows"], plan_fp["rows_per_part"])
+    plan = plan_of(manifest)
     samples = fp["sampling"].get("n", 1)
     ledger = Ledger(fs, root)
     report = ledger.verify({u.id: u.num_rows * samples for u in plan.units()})
