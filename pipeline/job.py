@@ -168,9 +168,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
     plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files),
                     window_rows=cfg.plan.window_rows, rows_per_part=cfg.output.rows_per_part)
-    run_state = RunState(cfg.output.path, plan, cfg.fingerprint(model_path), num_shards=cfg.runtime.num_shards,
-                         shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
-                         stop=stop)
+    run_state = RunState(cfg.output.path, plan, {**cfg.fingerprint(model_path), "input_content": source.content()},
+                         num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
+                         lease_timeout_s=cfg.output.lease_timeout_s, stop=stop, inputs=source.urls())
     fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": cfg.model.name, "pipeline.model_path": model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}

@@ -50,11 +50,14 @@ class OutputConflict(JobError):
     """The output cannot be used by this job as configured; the message says why and what to do."""
 
 
-def make_manifest(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """Canonical manifest: the fingerprint as plain JSON plus its digest."""
+def make_manifest(fingerprint: Mapping[str, Any], inputs: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Canonical manifest: the fingerprint as plain JSON plus its digest.
+
+    `inputs` (input file name -> URL) is recorded outside the digest, for `verify` to re-check the
+    input's content: the same files under another spelling are the same job."""
     canon = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
     digest = hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()
-    return {"digest": digest, "fingerprint": canon}
+    return {"digest": digest, "fingerprint": canon, **({"inputs": dict(inputs)} if inputs else {})}
 
 
 def describe_changes(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -29,15 +29,15 @@ class RunState:
 
     def __init__(self, output_path: str, plan: WorkPlan, fingerprint: Mapping[str, Any], *,
                  num_shards: int | None, shard_index: int | None, lease_timeout_s: float,
-                 stop: GracefulStop) -> None:
-        """`fingerprint`: what determines the output rows (`JobConfig.fingerprint`); with the plan's own
-        numbers it makes the manifest a resume must match."""
+                 stop: GracefulStop, inputs: Mapping[str, str] | None = None) -> None:
+        """`fingerprint`: what determines the output rows (`JobConfig.fingerprint` and the input content);
+        with the plan's own numbers it makes the manifest a resume must match. `inputs`: input file URLs."""
         try:
             self.num_shards, self.shard_index = resolve_shard(num_shards, shard_index)
         except ValueError as e:
             raise JobError(f"invalid config: {e}") from None
         self.plan = plan
-        self.manifest = make_manifest({**fingerprint, "plan": plan.fingerprint()})
+        self.manifest = make_manifest({**fingerprint, "plan": plan.fingerprint()}, inputs)
         self.fs, self.root = url_to_fs(output_path)
         self.ledger = Ledger(self.fs, self.root)
         self.stop = stop

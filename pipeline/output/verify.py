@@ -16,6 +16,7 @@ from fsspec.core import url_to_fs
 
 from pipeline.output.ledger import Ledger, VerifyReport
 from pipeline.output.manifest import plan_of, read_manifest
+from pipeline.source.files import footer_digest
 
 
 def verify_output(url: str) -> VerifyReport:
@@ -28,9 +29,26 @@ def verify_output(url: str) -> VerifyReport:
     samples = fp["sampling"].get("n", 1)
     ledger = Ledger(fs, root)
     report = ledger.verify({u.id: u.num_rows * samples for u in plan.units()})
+    check_inputs(manifest, report)
     if report.ok and not ledger.is_complete():
         report.notes.append("all units are committed but _SUCCESS is missing (a shard has not finished)")
     return report
+
+
+def check_inputs(manifest: dict, report: VerifyReport) -> None:
+    """Each input file must still have the content the job read (its footer digest)."""
+    urls = manifest.get("inputs", {})
+    for name, digest in sorted(manifest["fingerprint"].get("input_content", {}).items()):
+        url = urls.get(name)
+        try:
+            fs, path = url_to_fs(url)
+            with fs.open(path, "rb") as f:
+                now = footer_digest(f)
+        except (OSError, ValueError, TypeError) as e:
+            report.notes.append(f"input {name} not checked: cannot read {url}: {e}")
+            continue
+        if now != digest:
+            report.errors.append(f"input file {url} changed since the job read it (Parquet footer differs)")
 
 
 def main(argv: list[str]) -> int:
