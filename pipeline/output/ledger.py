@@ -154,6 +154,31 @@ class Ledger:
             records[rec.unit] = rec
         return records
 
+    def damaged(self, records: Mapping[str, CommitRecord]) -> dict[str, str]:
+        """Committed units whose part is missing or not the size its record says (unit -> why).
+
+        One listing of the output folder, no part is read: cheap enough for every start."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            sizes = {posixpath.basename(i["name"]): i.get("size") for i in self.fs.ls(self.root, detail=True)}
+        except FileNotFoundError:
+            sizes = {}
+        out = {}
+        for unit, rec in records.items():
+            if rec.part not in sizes:
+                out[unit] = f"part {rec.part} is missing"
+            elif sizes[rec.part] != rec.bytes:
+                out[unit] = f"part {rec.part} has {sizes[rec.part]} bytes, its ledger record says {rec.bytes}"
+        return out
+
+    def withdraw_success(self) -> None:
+        if self.is_complete():
+            self.fs.rm(self.path(SUCCESS_FILE))
+
+    def uncommit(self, unit_id: str) -> None:
+        """Drop a unit's record (its part is damaged): the unit is to do again."""
+        self.fs.rm(self.record_path(unit_id))
+
     def is_complete(self) -> bool:
         self.fs.invalidate_cache(self.root)
         return self.fs.exists(self.path(SUCCESS_FILE))
@@ -161,7 +186,7 @@ class Ledger:
     def mark_success(self, expected_units: Sequence[str]) -> bool:
         """Write `_SUCCESS` if every expected unit is committed (any shard may call this; it is idempotent)."""
         done = self.committed()
-        if any(u not in done for u in expected_units):
+        if any(u not in done for u in expected_units) or self.damaged(done):
             return False
         write_whole(self.fs, self.path(SUCCESS_FILE), b"", "success")
         return True

@@ -59,10 +59,10 @@ class RunState:
         self.lease.acquire()
         try:
             state = prepare_output(self.fs, self.root, self.manifest, mode, self.num_shards)
-            if state == "complete":
+            done = self._intact_commits()
+            if state == "complete" and len(done) == self.plan.num_units:
                 return "complete"
             self.mine = self.plan.shard_units(self.num_shards, self.shard_index)
-            done = self.ledger.committed()
             self.todo = [u for u in self.mine if u.id not in done]
             self.ledger.remove_leftovers(u.id for u in self.todo)
         except BaseException:
@@ -72,6 +72,18 @@ class RunState:
                  len(self.mine), sum(u.num_rows for u in self.mine), len(self.mine) - len(self.todo),
                  len(self.todo), self.todo_rows)
         return "run" if self.todo else "idle"
+
+    def _intact_commits(self) -> set[str]:
+        """Committed units whose part is there with its recorded size; a damaged one is uncommitted (and
+        `_SUCCESS` withdrawn), so it is redone rather than trusted."""
+        records = self.ledger.committed()
+        damaged = self.ledger.damaged(records)
+        for unit, why in sorted(damaged.items()):
+            log.warning("unit %s is redone: %s", unit, why)
+            self.ledger.uncommit(unit)
+        if damaged:
+            self.ledger.withdraw_success()
+        return set(records) - set(damaged)
 
     @property
     def todo_rows(self) -> int:
