@@ -109,6 +109,43 @@ def test_concurrent_acquire_has_exactly_one_winner(output_url: str) -> None:
     assert sorted(outcome) == ["lost", "won"]
 
 
+def test_a_job_delayed_between_its_check_and_its_create_does_not_take_a_held_lease(output_url, monkeypatch):
+    """Job A checks (no lease), then stalls before creating its lease file; job B takes the lease meanwhile.
+    Before, A's later write replaced B's (and with a rename delayed past the settle time both ran)."""
+    import pipeline.output.lease as lease_module
+
+    fs, root = fs_root(output_url)
+    a_checked, b_done = threading.Event(), threading.Event()
+
+    def stall_a(name: str) -> None:
+        if name == "lease.before_create" and threading.current_thread().name == "job-a":
+            a_checked.set()
+            b_done.wait()  # the injected delay: as long as B needs
+
+    monkeypatch.setattr(lease_module, "fault_point", stall_a)
+    outcome: list[BaseException | str] = []
+
+    def job_a() -> None:
+        try:
+            Lease(fs, root, timeout_s=30, settle_s=0.01).acquire()
+            outcome.append("won")
+        except LeaseHeld as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=job_a, name="job-a")
+    thread.start()
+    assert a_checked.wait(60)
+    b = Lease(fs, root, timeout_s=30, settle_s=0.01).acquire()
+    b_done.set()
+    thread.join()
+    try:
+        assert len(outcome) == 1 and isinstance(outcome[0], LeaseHeld), outcome
+        assert "another job took the lease" in str(outcome[0])
+        assert json.loads(fs.cat_file(b.path))["token"] == b.token  # B's lease is intact
+    finally:
+        b.release()
+
+
 def test_timeout_must_be_positive(tmp_path) -> None:
     with pytest.raises(ValueError, match="output.lease_timeout_s"):
         Lease(fsspec.filesystem("file"), str(tmp_path), timeout_s=0)
