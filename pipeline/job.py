@@ -104,7 +104,7 @@ class _Run:
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
-            error = "id is null" if row_id is None else prepared.error
+            error = prepared.error or ("id is null" if row_id is None else None)
             if error:
                 self._reject(base, unit, position, error, prepared.prompt_tokens)
                 continue

@@ -114,7 +114,7 @@ def read_model(path: str | None) -> tuple[ModelConfig, Callable[[], object]]:
 
 def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[list[int]], int]:
     """Token ids of the first `rows` runnable rows of the input (as the job builds them), and the row count."""
-    from pipeline.source.files import ParquetSource
+    from pipeline.source.files import ParquetSource, batch_rows
     from pipeline.source.prompts import PromptBuilder
 
     source = ParquetSource(job.input.path)
@@ -122,7 +122,7 @@ def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[
     columns = [c for c in (job.input.prompt_column, job.input.messages_column, *job.input.sampling_columns) if c]
     seqs: list[list[int]] = []
     for _, _, batch in source.batches(columns, min(rows, job.input.batch_rows)):
-        for row in batch.to_pylist():
+        for row in batch_rows(batch):
             prepared = builder.prepare(row)
             if prepared.token_ids is not None:
                 seqs.append(prepared.token_ids)

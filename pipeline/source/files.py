@@ -46,6 +46,38 @@ class ColumnSpec:
     required: bool = True
 
 
+# Key of a row dict under which `batch_rows` lists the cells it could not convert (not a str: no column
+# can have this name).
+BAD_CELLS = object()
+
+
+def batch_rows(batch: pa.RecordBatch) -> list[dict]:
+    """The batch's rows as dicts. A cell that cannot become a Python value (invalid UTF-8 in a string, a
+    value nested too deeply for Python) becomes None and is described under `row[BAD_CELLS]`, so its row
+    becomes an error row instead of ending the run."""
+    try:
+        return batch.to_pylist()
+    except (UnicodeDecodeError, RecursionError):
+        return [_row(batch, i) for i in range(batch.num_rows)]
+
+
+def _row(batch: pa.RecordBatch, i: int) -> dict:
+    row: dict = {}
+    bad = []
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            row[name] = column[i].as_py()
+        except UnicodeDecodeError as e:
+            row[name] = None
+            bad.append(f"column {name!r} is not valid UTF-8 (byte {e.start}: {e.reason})")
+        except RecursionError:
+            row[name] = None
+            bad.append(f"column {name!r} is nested too deeply")
+    if bad:
+        row[BAD_CELLS] = bad
+    return row
+
+
 def _listing(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> list[tuple[str, int]]:
     """(path, size) of the Parquet files one input.path entry names, sorted."""
     if any(c in path for c in _GLOB_CHARS):

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.engine.sequence import row_seed
+from pipeline.source.files import BAD_CELLS
 
 ROLES = ("system", "user", "assistant")
 
@@ -51,6 +52,8 @@ def _parse_messages(value: Any) -> list[dict]:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise RowError(f"malformed messages: not valid JSON ({e.msg} at char {e.pos})") from None
+        except RecursionError:
+            raise RowError("malformed messages: JSON nested too deeply") from None
     if not isinstance(value, list):
         raise RowError(f"malformed messages: expected a list of {{role, content}}, got {type(value).__name__}")
     if not value:
@@ -96,6 +99,8 @@ class PromptBuilder:
     def prepare(self, row: Mapping[str, Any]) -> Prepared:
         """The row's prompt and sampling, or an error row's reason (never raises for bad row content)."""
         tokens: list[int] = []
+        if BAD_CELLS in row:
+            return Prepared(None, None, "; ".join(row[BAD_CELLS]))
         try:
             sampling = self._sampling(row)
             tokens = self._encode(self._text(row))
