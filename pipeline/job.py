@@ -179,6 +179,11 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     resources.callback(run_state.close)  # releases the lease, also on errors and interruptions
     if status != "run":  # nothing left to do: no model load
         done = status == "complete" or run_state.finish()
+        if status == "idle":  # e.g. the previous run was killed after its last commit: metrics were not written
+            sink.finish_once({"rows": 0, "units_committed": 0, "units_done_before": len(run_state.mine),
+                              "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
+                              "config_fingerprint": fingerprint, "version": __version__, "config": cfg.resolved},
+                             metrics_name(run_state.num_shards, run_state.shard_index))
         print(f"{run_state.shard_label}nothing to do: "
               f"{'the output is complete' if done else 'this shard is done; other shards are not'}",
               file=stdout, flush=True)
@@ -198,6 +203,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         engine = Engine(loaded, cfg.engine, sharded.make_runner)
     except ValueError as e:
         raise JobError(str(e)) from None
+    if cfg.sampling.max_tokens >= engine.max_model_len and "max_tokens" not in types:
+        raise JobError(f"sampling.max_tokens={cfg.sampling.max_tokens} leaves no room for a prompt in "
+                       f"max_model_len={engine.max_model_len}: every row would be an error row")
     from pipeline.perf.report import RunRecorder, Snapshot, write_report
 
     roof = None

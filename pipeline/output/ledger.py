@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,9 +31,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from pipeline.errors import JobError
 from pipeline.faults import fault_point
 
 PART_PREFIX = "part-"
+_TEMP_NAME = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # `write_whole`'s temp files
 PROGRESS_DIR = "_progress"
 SUCCESS_FILE = "_SUCCESS"
 
@@ -90,6 +93,13 @@ def write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: st
 
     `point` names the fault-injection points `<point>.before_write|mid_write|after_write` (see faults.py).
     """
+    try:
+        _write_whole(fs, path, data, point)
+    except OSError as e:  # read-only, full disk, no permission: name the file and the cause
+        raise JobError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: str) -> None:
     fault_point(f"{point}.before_write")
     if isinstance(fs, LocalFileSystem):
         directory, name = posixpath.split(path)
@@ -140,19 +150,29 @@ class Ledger:
 
     def committed(self) -> dict[str, CommitRecord]:
         """All committed units, read in one batched call (concurrent GETs on object stores)."""
+        return self.records()[0]
+
+    def records(self) -> tuple[dict[str, CommitRecord], dict[str, str]]:
+        """The committed units, and the unreadable record files (unit id -> why), which commit nothing."""
         self.fs.invalidate_cache(self.path(PROGRESS_DIR))
         try:
             paths = [p for p in self.fs.ls(self.path(PROGRESS_DIR), detail=False) if p.endswith(".json")]
         except FileNotFoundError:
-            return {}
+            return {}, {}
         if not paths:
-            return {}
-        blobs = self.fs.cat(paths)
-        records = {}
+            return {}, {}
+        blobs = self.fs.cat(paths, on_error="return")
+        records, unreadable = {}, {}
         for p in paths:
-            rec = CommitRecord.from_json(blobs[p], p)
+            try:
+                if isinstance(blobs[p], Exception):
+                    raise LedgerError(f"unreadable ledger record {p}: {blobs[p]}")
+                rec = CommitRecord.from_json(blobs[p], p)
+            except LedgerError as e:
+                unreadable[posixpath.basename(p)[: -len(".json")]] = str(e)
+                continue
             records[rec.unit] = rec
-        return records
+        return records, unreadable
 
     def damaged(self, records: Mapping[str, CommitRecord]) -> dict[str, str]:
         """Committed units whose part is missing or not the size its record says (unit -> why).
@@ -191,8 +211,9 @@ class Ledger:
         write_whole(self.fs, self.path(SUCCESS_FILE), b"", "success")
         return True
 
-    def remove_leftovers(self, unit_ids: Iterable[str]) -> None:
-        """Delete temp files of interrupted writes for these units (only ours: other shards may be writing)."""
+    def remove_leftovers(self, unit_ids: Iterable[str], everything: bool = False) -> None:
+        """Delete temp files of interrupted writes for these units (only ours: other shards may be writing),
+        or, with `everything` (the caller holds the whole output), every temp file `write_whole` left."""
         if not isinstance(self.fs, LocalFileSystem):
             return  # object stores never hold partial objects under any name
         wanted = {f".{part_name(u)}.tmp-" for u in unit_ids} | {f".{u}.json.tmp-" for u in unit_ids}
@@ -200,7 +221,8 @@ class Ledger:
             if not os.path.isdir(directory):
                 continue
             for name in os.listdir(directory):
-                if any(name.startswith(prefix) for prefix in wanted):
+                ours = bool(_TEMP_NAME.fullmatch(name)) if everything else name.startswith(tuple(wanted))
+                if ours:
                     os.remove(os.path.join(directory, name))
 
     def verify(self, expected: Mapping[str, int] | None = None, id_column: str = "id") -> VerifyReport:
@@ -210,7 +232,8 @@ class Ledger:
         rows and that the ledger holds nothing else.
         """
         report = VerifyReport()
-        records = self.committed()
+        records, unreadable = self.records()
+        report.errors += [why for _, why in sorted(unreadable.items())]
         for unit, rec in sorted(records.items()):
             path = self.path(rec.part)
             if not self.fs.exists(path):

@@ -19,7 +19,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from pipeline.errors import JobError
 from pipeline.output.ledger import part_name, write_whole
 
 # Only part files have visible names: dataset readers (pyarrow.dataset, polars, Spark, `datasets`) skip
@@ -99,9 +98,11 @@ class ParquetSink:
         """Write the run's metrics (`_SUCCESS` is the ledger's: only when every unit is committed)."""
         self._put(name, (json.dumps(metrics, indent=2, default=str) + "\n").encode(), "metrics")
 
+    def finish_once(self, metrics: Mapping[str, Any], name: str) -> None:
+        """`finish`, unless that file exists (a run that only completed the bookkeeping keeps the real figures)."""
+        self.fs.invalidate_cache(self.root)
+        if not self.fs.exists(posixpath.join(self.root, name)):
+            self.finish(metrics, name)
+
     def _put(self, name: str, data: bytes, point: str) -> None:
-        final = posixpath.join(self.root, name)
-        try:
-            write_whole(self.fs, final, data, point)
-        except OSError as e:
-            raise JobError(f"cannot write {final}: {e}") from None
+        write_whole(self.fs, posixpath.join(self.root, name), data, point)  # JobError naming the file

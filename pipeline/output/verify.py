@@ -14,6 +14,7 @@ import sys
 
 from fsspec.core import url_to_fs
 
+from pipeline.errors import JobError
 from pipeline.output.ledger import Ledger, VerifyReport
 from pipeline.output.manifest import plan_of, read_manifest
 from pipeline.source.files import footer_digest
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         report = verify_output(argv[0])
-    except FileNotFoundError as e:
+    except (FileNotFoundError, JobError) as e:  # not a job output, or an unreadable _job.json
         print(f"error: {e}", file=sys.stderr)
         return 2
     for line in report.errors:
