@@ -68,7 +68,8 @@ class OutputConfig:
     mode: str = "resume"
     lease_timeout_s: float = 60.0  # a writer's lease without heartbeat for this long may be taken over
     report: bool = False  # also write report.html and PNG plots of the run's time series (README: "The numbers")
-    report_interval_s: float = 5.0  # seconds between samples of the time series in metrics.json
+    report_interval_s: float = 5.0  # seconds between samples of the time series in _metrics.json
+    allow_ephemeral: bool = False  # allow an output that vanishes with the process (memory://)
 
 
 @dataclass
@@ -241,6 +242,20 @@ def _check_input(inp: InputConfig) -> None:
         )
 
 
+# fsspec protocols whose files live only as long as the process that wrote them.
+EPHEMERAL_PROTOCOLS = ("memory",)
+
+
+def _check_persistent(out: OutputConfig) -> None:
+    protocol = out.path.split("://", 1)[0] if "://" in out.path else "file"
+    if protocol in EPHEMERAL_PROTOCOLS and not out.allow_ephemeral:
+        raise JobError(
+            f"invalid config `output.path`: {out.path!r} is held in this process's memory and is gone when the "
+            "job exits, with every result; write to a directory or a bucket, or set output.allow_ephemeral=true "
+            "(when the job is run from Python and read back in the same process)"
+        )
+
+
 def load_job_config(cfg: DictConfig) -> JobConfig:
     """Turn Hydra's composed config into validated objects; raise JobError naming the bad key."""
     try:
@@ -254,6 +269,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _check_input(schema.input)
     if not schema.output.path:
         raise JobError("invalid config `output.path`: empty; give a directory or fsspec URL")
+    _check_persistent(schema.output)
     _choice("output.mode", schema.output.mode, OUTPUT_MODES)
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
@@ -284,6 +300,13 @@ JOB_FILE_GROUP = "job_file"
 CONFIG_GROUPS = ("model", "hardware")
 
 
+def per_job_output_path(output_path: str, override_dirname: str, job_num: int) -> str:
+    """A multirun job's own output folder: `<output.path>/<its swept overrides>` (`<output.path>/job-<n>`
+    when it has none). Why: every job of `-m sampling.temperature=0,0.7` would otherwise share one output, and the
+    second would be refused as a different configuration."""
+    return f"{output_path.rstrip('/')}/{override_dirname or f'job-{job_num}'}"
+
+
 def hydra_argv(argv: list[str]) -> list[str]:
     """Hydra's arguments for `argv`: a `conf=job.yaml` there is stored as a config group option that
     merges over the defaults (and under the command-line overrides). Raises JobError for a bad file."""
@@ -297,7 +320,23 @@ def hydra_argv(argv: list[str]) -> list[str]:
                 overrides.append(f"{group}={chosen}")
         ConfigStore.instance().store(group=JOB_FILE_GROUP, name="file", node=job_file, package="_global_")
         overrides.append(f"+{JOB_FILE_GROUP}=file")
-    return [*argv, *overrides]  # after Hydra's --flags, which precede the overrides
+    return [*argv, *overrides, *_sweep_folder_argv([*argv, *overrides])]  # after Hydra's --flags, which precede the overrides
+
+
+def _sweep_folder_argv(argv: list[str]) -> list[str]:
+    """Under `-m`: Hydra's `override_dirname`, which names each job's output folder, keeps only the swept keys
+    (every other override is excluded), so `-m sampling.temperature=0,0.7 input.path=...` writes to
+    `<output.path>/sampling.temperature=0` and `.../sampling.temperature=0.7`."""
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+    except Exception:  # Hydra reports a malformed override itself, with its own message
+        return []
+    fixed = sorted({o.key_or_group for o in parsed if not o.is_sweep_override()})
+    return [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(fixed)}]"]
 
 
 def job_file_overrides(argv: list[str]) -> tuple[dict | None, list[str]]:

@@ -84,6 +84,8 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("progress.mode=fancy", "progress.mode"),
     ("progress.log_every_s=0", "progress.log_every_s"),
     ("input.path=[]", "input.path"),
+    ("output.path=memory://results", "is gone when the job exits, with every result; write to a directory or a "
+                                     "bucket, or set output.allow_ephemeral=true"),
 ])
 def test_invalid_values_name_the_key(override, words):
     cfg = compose_job(override)

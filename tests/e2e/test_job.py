@@ -109,7 +109,8 @@ def test_memory_filesystem_end_to_end(tiny_model_dir):
         for shard, ids in enumerate(([10, 11], [12])):
             with fs.open(f"/e2e/in/s{shard}.parquet", "wb") as f:
                 pq.write_table(pa.table({"id": ids, "prompt": ["Say hello."] * len(ids)}), f)
-        run(job(tiny_model_dir, "memory://e2e/in", "memory://e2e/out"), stdout=io.StringIO())
+        run(job(tiny_model_dir, "memory://e2e/in", "memory://e2e/out", "output.allow_ephemeral=true"),
+            stdout=io.StringIO())
         listing = fs.ls("/e2e/out", detail=False)
         assert {"/e2e/out/_metrics.json", "/e2e/out/_SUCCESS"} <= set(listing)
         parts = [p for p in listing if p.startswith("/e2e/out/part-")]
