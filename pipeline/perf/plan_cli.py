@@ -161,6 +161,12 @@ def plan_figures(
                "bytes_per_sequence": kv_bytes_per_sequence(cfg, full, roof.kv_dtype)},
         "max_batch": {"device_memory": max_batch(cfg, roof.weights, full, hw.memory * opts.tp, roof.kv_dtype),
                       "engine_kv_budget": int(kv_budget // (kv_token * full))},
+    }
+    if out["max_batch"]["device_memory"] == 0:  # no ceiling of an impossible configuration: say what would fit
+        out["does_not_fit"] = {"memory_bytes": hw.memory * opts.tp, "weight_bytes": weight_bytes(cfg, roof.weights),
+                               "suggestions": fitting_alternatives(cfg, hw, opts, roof, full)}
+        return out
+    out |= {
         "decode": [
             {"batch": c.batch, "tokens_per_s": c.tokens_per_s, "bound": c.bound, "intensity": c.intensity,
              "bandwidth_bound": c.bandwidth_bound, "compute_bound": c.compute_bound}
@@ -189,6 +195,26 @@ def plan_figures(
     return out
 
 
+def fitting_alternatives(cfg: ModelConfig, hw: HardwareProfile, opts: PlanOptions, roof: Roofline,
+                         sequence_len: int) -> list[str]:
+    """The smallest tensor-parallel size, and the first lower weight precision, with which one sequence fits."""
+    out = []
+    splits = [tp for tp in range(opts.tp + 1, cfg.num_kv_heads + 1)
+              if cfg.num_kv_heads % tp == 0 and cfg.num_heads % tp == 0]  # as ModelConfig.check_tensor_parallel
+    for tp in splits:
+        if max_batch(cfg, roof.weights, sequence_len, hw.memory * tp, roof.kv_dtype) > 0:
+            out.append(f"engine.tensor_parallel={tp} (roofline.tp={tp}): {tp} devices")
+            break
+    for name in ("int8", "int4-g32"):
+        smaller = precision(name)
+        if smaller.bits_per_weight < roof.weights.bits_per_weight and \
+                max_batch(cfg, smaller, sequence_len, hw.memory * opts.tp, roof.kv_dtype) > 0:
+            out.append(f"model.quant={name.split('-')[0]} (roofline.weights={name}): "
+                       f"{_si(weight_bytes(cfg, smaller), 'B')} of weights")
+            break
+    return out
+
+
 def _si(x: float, unit: str) -> str:
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= factor:
@@ -209,10 +235,18 @@ def format_table(name: str, f: dict) -> str:
                     f"{_si(w['read_per_step_bytes'], 'B')} read per step"),
         ("KV cache", f"{kv['dtype']}: {kv['bytes_per_token']:,} B/token, {_si(kv['bytes_per_sequence'], 'B')} "
                      f"per sequence of {kv['sequence_len']} positions; decode attends over {kv['context']}"),
-        ("max batch", f"{f['max_batch']['device_memory']:,} sequences fit in device memory, "
-                      f"{f['max_batch']['engine_kv_budget']:,} in engine.kv_cache_memory"),
     ]
-    for d in f["decode"]:
+    if "does_not_fit" in f:
+        d = f["does_not_fit"]
+        rows.append(("DOES NOT FIT", f"{_si(d['weight_bytes'], 'B')} of weights plus one sequence's KV cache "
+                                     f"({_si(kv['bytes_per_sequence'], 'B')}) exceed the {_si(d['memory_bytes'], 'B')} "
+                                     "of device memory; no ceilings computed"))
+        rows += [("would fit with", s) for s in d["suggestions"]] or [("would fit with", "nothing tried fits")]
+    else:
+        rows.append(("max batch", f"{f['max_batch']['device_memory']:,} sequences fit in device memory, "
+                                  f"{f['max_batch']['engine_kv_budget']:,} in engine.kv_cache_memory"))
+    rows += [("note", n) for n in f.get("notes", [])]
+    for d in f.get("decode", []):
         rows.append((f"decode batch {d['batch']}",
                      f"{d['tokens_per_s']:,.1f} tok/s ceiling, {d['bound']}-bound (memory {d['bandwidth_bound']:,.1f}, "
                      f"compute {d['compute_bound']:,.1f}); {d['intensity']:.3g} FLOP/byte"))
@@ -245,8 +279,14 @@ def main(argv: list[str]) -> int:
         from pipeline.engine.config import parse_bytes
 
         max_len = min(job.engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        prompts, total = (sample_prompts(job, tokenizer(), max_len, opts.sample_rows)
-                          if opts.sample_rows > 0 else (None, None))
+        prompts, total, notes = None, None, []
+        if opts.sample_rows > 0:
+            try:
+                tok = tokenizer()
+            except (OSError, ValueError) as e:  # config.json alone is enough for the arithmetic
+                notes.append(f"input sample skipped (no prefill estimate): no tokenizer: {e}")
+            else:
+                prompts, total = sample_prompts(job, tok, max_len, opts.sample_rows)
         figures = plan_figures(
             cfg, hw, opts, model_dtype=job.model.dtype, batch=job.engine.max_batch_size,
             max_tokens=job.sampling.max_tokens, kv_budget=parse_bytes(job.engine.kv_cache_memory),
@@ -255,6 +295,7 @@ def main(argv: list[str]) -> int:
     except (JobError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    figures["notes"] = notes
     figures["options"] = asdict(opts)
     print(json.dumps(figures, indent=2) if opts.json else format_table(job.model.name, figures))
     return 0
