@@ -51,6 +51,22 @@ def _model_path(cfg: JobConfig) -> str:
     return cfg.model.path
 
 
+def _check_kv_budget(cfg: JobConfig, model_path: str) -> None:
+    """`engine.kv_cache_memory` must hold at least one block: checked from the model's shape (GGUF metadata or
+    config.json), so a typo such as `1KB` fails in a second instead of after the model has loaded."""
+    import torch
+
+    from pipeline.perf.plan_cli import read_model
+
+    shape, _ = read_model(model_path)
+    kv_heads = -(-shape.num_kv_heads // cfg.engine.tensor_parallel)
+    block = (2 * shape.num_layers * kv_heads * shape.head_dim * getattr(torch, cfg.model.dtype).itemsize
+             * cfg.engine.block_size)
+    if cfg.engine.kv_cache_bytes < block:
+        raise JobError(f"engine.kv_cache_memory={cfg.engine.kv_cache_memory!r} is less than one KV cache block of "
+                       f"this model ({block:,} bytes for engine.block_size={cfg.engine.block_size} tokens)")
+
+
 def _model_options(cfg: JobConfig) -> dict[str, Any]:
     """How every rank loads the model (the job's rank 0, its workers, or torchrun's ranks)."""
     import torch
@@ -160,6 +176,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
     schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids, cfg.sampling.logprobs > 0)
     model_path = _model_path(cfg)
+    _check_kv_budget(cfg, model_path)
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
         from pipeline.parallel.runner import serve_as_torchrun_worker
 

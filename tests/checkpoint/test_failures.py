@@ -100,3 +100,11 @@ def test_max_tokens_beyond_the_model_length_is_refused_at_start(job_runner, job_
     assert rc == 2, log
     assert "sampling.max_tokens=100000000 leaves no room for a prompt in max_model_len=" in log
     assert "every row would be an error row" in log and not (tmp_path / "out" / "_job.json").exists()
+
+
+@pytest.mark.slow
+def test_a_kv_cache_smaller_than_one_block_is_refused_before_the_model_loads(job_runner, job_args, tmp_path):
+    rc, log = job_runner.run([*job_args, f"output.path={tmp_path / 'out'}", "engine.kv_cache_memory=1KB"])
+    assert rc == 2, log
+    assert "engine.kv_cache_memory='1KB' is less than one KV cache block of this model" in log
+    assert "loaded" not in log and not (tmp_path / "out").exists()
