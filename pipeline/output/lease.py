@@ -18,6 +18,7 @@ clock with ours: hosts sharing an output need roughly synchronised clocks (NTP),
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -78,6 +79,28 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _create_local(path: str, data: bytes, token: str) -> None:
+    """Create `path` holding `data`, or raise FileExistsError: a hard link of a complete temp file (readers
+    never see it half written); `O_EXCL` where the filesystem has no hard links."""
+    tmp = f"{path}.tmp-{token}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # atomic: fails if the name exists
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    finally:
+        os.remove(tmp)
 
 
 def lease_name(num_shards: int, shard_index: int) -> str:
@@ -161,15 +184,7 @@ class Lease:
         data = self._record()
         try:
             if isinstance(self.fs, LocalFileSystem):
-                tmp = f"{self.path}.tmp-{self.token}"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                try:
-                    os.link(tmp, self.path)  # atomic: fails if the name exists
-                finally:
-                    os.remove(tmp)
+                _create_local(self.path, data, self.token)
             else:
                 self.fs.pipe_file(self.path, data, mode="create")
         except FileExistsError:
