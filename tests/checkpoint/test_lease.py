@@ -87,7 +87,7 @@ def test_heartbeat_renews_and_detects_loss(output_url: str) -> None:
 
 def test_concurrent_acquire_has_exactly_one_winner(output_url: str) -> None:
     fs, root = fs_root(output_url)
-    barrier = threading.Barrier(2)
+    barrier, tried = threading.Barrier(2), threading.Barrier(2)
     outcome: list[str] = []
 
     def contend() -> None:
@@ -96,10 +96,11 @@ def test_concurrent_acquire_has_exactly_one_winner(output_url: str) -> None:
         try:
             lease.acquire()
             outcome.append("won")
-            time.sleep(0.5)
+            tried.wait()  # the winner holds the lease until the other has tried, however slow it is
             lease.release()
         except LeaseHeld:
             outcome.append("lost")
+            tried.wait()
 
     threads = [threading.Thread(target=contend) for _ in range(2)]
     for t in threads:
