@@ -54,14 +54,11 @@ def _model_path(cfg: JobConfig) -> str:
 def _check_kv_budget(cfg: JobConfig, model_path: str) -> None:
     """`engine.kv_cache_memory` must hold at least one block: checked from the model's shape (GGUF metadata or
     config.json), so a typo such as `1KB` fails in a second instead of after the model has loaded."""
-    import torch
-
     from pipeline.perf.plan_cli import read_model
+    from pipeline.perf.roofline import kv_bytes_per_token
 
     shape, _ = read_model(model_path)
-    kv_heads = -(-shape.num_kv_heads // cfg.engine.tensor_parallel)
-    block = (2 * shape.num_layers * kv_heads * shape.head_dim * getattr(torch, cfg.model.dtype).itemsize
-             * cfg.engine.block_size)
+    block = kv_bytes_per_token(shape, cfg.model.dtype, cfg.engine.tensor_parallel) * cfg.engine.block_size
     if cfg.engine.kv_cache_bytes < block:
         raise JobError(f"engine.kv_cache_memory={cfg.engine.kv_cache_memory!r} is less than one KV cache block of "
                        f"this model ({block:,} bytes for engine.block_size={cfg.engine.block_size} tokens)")
