@@ -87,16 +87,13 @@ class RunState:
         """Committed units whose part is there with its recorded size; a damaged one is uncommitted (and
         `_SUCCESS` withdrawn), so it is redone rather than trusted."""
         records, unreadable = self.ledger.records()
-        for unit, why in sorted(unreadable.items()):
+        bad = {**unreadable, **self.ledger.damaged(records)}
+        for unit, why in sorted(bad.items()):
             log.warning("unit %s is redone: %s", unit, why)
             self.ledger.uncommit(unit)
-        damaged = self.ledger.damaged(records)
-        for unit, why in sorted(damaged.items()):
-            log.warning("unit %s is redone: %s", unit, why)
-            self.ledger.uncommit(unit)
-        if damaged or unreadable:
+        if bad:
             self.ledger.withdraw_success()
-        return set(records) - set(damaged)
+        return set(records) - set(bad)
 
     @property
     def todo_rows(self) -> int:
