@@ -6,6 +6,8 @@ each vocabulary id gets an Exp(1) number E from the sequence's own `torch.Genera
 the largest p / E wins (an exact draw from the kept distribution; the Gumbel-max trick). Every operation is
 row-wise, so a seeded request draws the same tokens alone or in any batch.
 
+Rows without top-k / top-p / min-p skip the sort those filters need (`bench/sampler.py` times a step).
+
 Why a race and not the inverse CDF: logits of the same row differ in the last bits between batch shapes
 (another matmul blocking), and a CDF summed over a whole vocabulary moves by that much at every token
 boundary, so a near-flat distribution flipped draws between batch sizes. The race flips only when the two
@@ -59,15 +61,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     if sampled_rows:
         params = [seqs[i].sampling for i in sampled_rows]
         dev = logits.device  # the generators are CPU ones: their draws move to the logits' device
-        kept, order = filter_probs(
-            logits[sampled_rows],
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in params], device=dev),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-        )
-        by_id = torch.zeros_like(kept).scatter_(1, order, kept)  # kept probabilities in vocabulary order
-        tokens[sampled_rows] = (by_id / exponential_draws(seqs, sampled_rows, kept.shape[-1], dev)).argmax(dim=-1)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        if all(p.top_k == 0 and p.top_p == 1 and p.min_p == 0 for p in params):  # nothing filtered: no sort
+            by_id = torch.softmax(logits[sampled_rows] / temperature[:, None], dim=-1)
+        else:
+            kept, order = filter_probs(
+                logits[sampled_rows], temperature,
+                torch.tensor([p.top_k for p in params], device=dev),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            )
+            by_id = torch.zeros_like(kept).scatter_(1, order, kept)  # kept probabilities in vocabulary order
+        tokens[sampled_rows] = (by_id / exponential_draws(seqs, sampled_rows, by_id.shape[-1], dev)).argmax(dim=-1)
     token_list = tokens.tolist()
     logprobs: list[dict[int, float] | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
