@@ -42,7 +42,7 @@ JOB_FILE = "_job.json"
 MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
 # What jobs before the dataset-clean layout wrote beside the parts (overwrite removes them too).
 _LEGACY_METRICS = re.compile(r"metrics(-shard-\d{5}-of-\d{5})?\.json")
-_OURS_SHARDED = re.compile(rf"({re.escape(METRICS_FILE[:-5])}|{REPORT_DIR})-shard-\d{{5}}-of-\d{{5}}(\.json)?")
+_OURS_SHARDED = re.compile(rf"({re.escape(METRICS_FILE.removesuffix('.json'))}|{REPORT_DIR})-shard-\d{{5}}-of-\d{{5}}(\.json)?")
 MAX_LISTED_CHANGES = 8
 
 
