@@ -131,6 +131,10 @@ def test_overwrite_deletes_only_what_the_job_wrote(tmp_path) -> None:
     fs.pipe_file(f"{root}/_metrics.json", b"{}")
     fs.makedirs(f"{root}/_report", exist_ok=True)
     fs.pipe_file(f"{root}/_report/report.html", b"<html>")
+    fs.pipe_file(f"{root}/_metrics-shard-00001-of-00002.json", b"{}")
+    fs.makedirs(f"{root}/_report-shard-00001-of-00002", exist_ok=True)
+    fs.pipe_file(f"{root}/_report-shard-00001-of-00002/report.html", b"<html>")
+    fs.pipe_file(f"{root}/metrics.json", b"{}")  # the name jobs used before `_metrics.json`
     fs.pipe_file(f"{root}/_SUCCESS", b"")
     assert prepare_output(fs, root, make_manifest(FP), "overwrite") == "fresh"
     left = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file())
