@@ -286,7 +286,7 @@ def check_job(model_path: str, rows: int, max_tokens: int) -> None:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)  # PYTHONPATH (the repo, carried packages) is inherited
     wall = time.perf_counter() - t0
-    metrics = json.loads((work / "out" / "metrics.json").read_text())
+    metrics = json.loads((work / "out" / "_metrics.json").read_text())
     st = metrics["engine"]
     loaded = load_model(model_path, torch.bfloat16, device="cpu")
     roof = Roofline.of(loaded.config, load_hardware("h200"), "bfloat16")

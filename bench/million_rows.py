@@ -4,7 +4,7 @@ The job streams rows (one record batch and one planning window at a time), keeps
 flight, and commits each unit as it completes, so peak RSS must not grow with the number of rows. This
 bench writes a synthetic input of N short prompts (several files, several row groups each), runs
 `python -m pipeline` on the tiny random model (tests/tiny_model.py) with `sampling.max_tokens=1`, and
-prints rows, wall time, rows/s and the job's peak RSS (from its metrics.json), for each N given:
+prints rows, wall time, rows/s and the job's peak RSS (from its _metrics.json), for each N given:
 
     python bench/million_rows.py                          # 100,000 and 1,000,000 rows
     python bench/million_rows.py --rows 20000 --rows 200000
@@ -48,7 +48,7 @@ def run_job(model: Path, inp: Path, out: Path, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     subprocess.run(args, cwd=REPO, env=env, check=True)
     wall = time.perf_counter() - t0
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / "_metrics.json").read_text())
     return {"rows": metrics["rows"], "wall_s": round(wall, 1), "rows_per_s": round(metrics["rows"] / wall),
             "peak_rss_mib": round(metrics["peak_memory_bytes"] / 2**20, 1)}
 

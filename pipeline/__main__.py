@@ -11,9 +11,11 @@ from __future__ import annotations
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipeline.config import CONF_DIR, hydra_argv, load_job_config
+from pipeline.config import CONF_DIR, hydra_argv, load_job_config, per_job_output_path
 from pipeline.errors import JobError
 from pipeline.output.lease import LeaseHeld
 from pipeline.output.signals import EXIT_INTERRUPTED, EXIT_LOCKED, Interrupted
@@ -29,6 +31,9 @@ def _fail(error: JobError) -> None:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _run(cfg: DictConfig) -> None:
     try:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            cfg.output.path = per_job_output_path(cfg.output.path, hydra_cfg.job.override_dirname, hydra_cfg.job.num)
         job_cfg = load_job_config(cfg)
         from pipeline.job import run  # imported here so that config errors fail before torch loads
 

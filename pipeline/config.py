@@ -35,7 +35,7 @@ SAMPLING_COLUMNS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f
 DEFAULT_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-OUTPUT_MODES = ("resume", "overwrite", "fail_if_exists")
+OUTPUT_MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # Columns the job writes itself; a passthrough column may not take one of these names.
 RESULT_COLUMNS = (
@@ -73,11 +73,13 @@ class OutputConfig:
     rows_per_part: int = 1000  # input rows per Parquet part = per checkpointed unit (redone whole after a crash)
     compression: str = "zstd"
     # resume: continue a run with the same _job.json fingerprint (refuse a different one); overwrite: delete
-    # our files there first; fail_if_exists: refuse an output that already holds a job.
+    # the files the job there wrote first; overwrite_all: delete everything there first; fail_if_exists:
+    # refuse an output that already holds a job.
     mode: str = "resume"
     lease_timeout_s: float = 60.0  # a writer's lease without heartbeat for this long may be taken over
     report: bool = False  # also write report.html and PNG plots of the run's time series (docs/roofline.md, "The run report")
-    report_interval_s: float = 5.0  # seconds between samples of the time series in metrics.json
+    report_interval_s: float = 5.0  # seconds between samples of the time series in _metrics.json
+    allow_ephemeral: bool = False  # allow an output that vanishes with the process (memory://)
 
 
 @dataclass
@@ -179,7 +181,7 @@ class JobConfig:
     progress: ProgressConfig
     runtime: RuntimeConfig
     plan: PlanConfig
-    resolved: dict  # the whole resolved config as plain data (recorded in metrics.json)
+    resolved: dict  # the whole resolved config as plain data (recorded in _metrics.json)
 
     def fingerprint(self, model_path: str) -> dict[str, Any]:
         """What determines the output rows: model identity, sampling, prompt/template settings, output schema.
@@ -206,6 +208,7 @@ class JobConfig:
             "output": {"token_ids": resolved["output"]["token_ids"]},
             # which rows share a unit (plan.window_rows is in the plan numbers)
             "order": {"prefix_sort": resolved.get("plan", {}).get("prefix_sort")},
+            "seeds": "row",  # each row's seed hashes (job seed, row id): see engine.sequence.row_seed
         }
 
 
@@ -301,6 +304,20 @@ def _check_input(inp: InputConfig) -> None:
         )
 
 
+# fsspec protocols whose files live only as long as the process that wrote them.
+EPHEMERAL_PROTOCOLS = ("memory",)
+
+
+def _check_persistent(out: OutputConfig) -> None:
+    protocol = out.path.split("://", 1)[0] if "://" in out.path else "file"
+    if protocol in EPHEMERAL_PROTOCOLS and not out.allow_ephemeral:
+        raise JobError(
+            f"invalid config `output.path`: {out.path!r} is held in this process's memory and is gone when the "
+            "job exits, with every result; write to a directory or a bucket, or set output.allow_ephemeral=true "
+            "(when the job is run from Python and read back in the same process)"
+        )
+
+
 def load_job_config(cfg: DictConfig) -> JobConfig:
     """Turn Hydra's composed config into validated objects; raise JobError naming the bad key."""
     try:
@@ -314,6 +331,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _check_input(schema.input)
     if not schema.output.path:
         raise JobError("invalid config `output.path`: empty; give a directory or fsspec URL")
+    _check_persistent(schema.output)
     _choice("output.mode", schema.output.mode, OUTPUT_MODES)
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
@@ -352,6 +370,13 @@ CONFIG_GROUPS = ("model", "hardware")
 LM_HEAD_CHOICES = ("auto", "int8", "bf16", "none")
 
 
+def per_job_output_path(output_path: str, override_dirname: str, job_num: int) -> str:
+    """A multirun job's own output folder: `<output.path>/<its swept overrides>` (`<output.path>/job-<n>`
+    when it has none). Why: every job of `-m sampling.temperature=0,0.7` would otherwise share one output, and the
+    second would be refused as a different configuration."""
+    return f"{output_path.rstrip('/')}/{override_dirname or f'job-{job_num}'}"
+
+
 def hydra_argv(argv: list[str]) -> list[str]:
     """Hydra's arguments for `argv`: a `conf=job.yaml` there is stored as a config group option that
     merges over the defaults (and under the command-line overrides). Raises JobError for a bad file."""
@@ -365,7 +390,23 @@ def hydra_argv(argv: list[str]) -> list[str]:
                 overrides.append(f"{group}={chosen}")
         ConfigStore.instance().store(group=JOB_FILE_GROUP, name="file", node=job_file, package="_global_")
         overrides.append(f"+{JOB_FILE_GROUP}=file")
-    return [*argv, *overrides]  # after Hydra's --flags, which precede the overrides
+    return [*argv, *overrides, *_sweep_folder_argv([*argv, *overrides])]  # after Hydra's --flags, which precede the overrides
+
+
+def _sweep_folder_argv(argv: list[str]) -> list[str]:
+    """Under `-m`: Hydra's `override_dirname`, which names each job's output folder, keeps only the swept keys
+    (every other override is excluded), so `-m sampling.temperature=0,0.7 input.path=...` writes to
+    `<output.path>/sampling.temperature=0` and `.../sampling.temperature=0.7`."""
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+    except Exception:  # Hydra reports a malformed override itself, with its own message
+        return []
+    fixed = sorted({o.key_or_group for o in parsed if not o.is_sweep_override()})
+    return [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(fixed)}]"]
 
 
 def job_file_overrides(argv: list[str]) -> tuple[dict | None, list[str]]:

@@ -25,7 +25,7 @@ from pipeline.faults import fault_point
 from pipeline.output.commit import UnitWriter
 from pipeline.output.run_state import RunState
 from pipeline.output.signals import GracefulStop, Interrupted
-from pipeline.output.sink import ParquetSink, result_schema
+from pipeline.output.sink import ParquetSink, metrics_name, report_dir_name, result_schema
 from pipeline.perf.progress import make_progress, prefill_efficiency, summary
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
@@ -56,6 +56,19 @@ def _model_path(cfg: JobConfig) -> tuple[str, str]:
     if not path.exists():
         raise JobError(f"model file not found: model.path={cfg.model.path!r}")
     return str(path), cfg.model.name or checkpoint_name(path)
+
+
+def _check_kv_budget(cfg: JobConfig, model_path: str) -> None:
+    """`engine.kv_cache_memory` must hold at least one block: checked from the model's shape (GGUF metadata or
+    config.json), so a typo such as `1KB` fails in a second instead of after the model has loaded."""
+    from pipeline.perf.plan_cli import read_model
+    from pipeline.perf.roofline import kv_bytes_per_token
+
+    shape, _ = read_model(model_path)
+    block = kv_bytes_per_token(shape, resolve_dtype(cfg.model.dtype, cfg.engine.device), cfg.engine.tensor_parallel) * cfg.engine.block_size
+    if cfg.engine.kv_cache_bytes < block:
+        raise JobError(f"engine.kv_cache_memory={cfg.engine.kv_cache_memory!r} is less than one KV cache block of "
+                       f"this model ({block:,} bytes for engine.block_size={cfg.engine.block_size} tokens)")
 
 
 def _model_options(cfg: JobConfig, quant: QuantChoice | None = None) -> dict[str, Any]:
@@ -121,6 +134,7 @@ class _Run:
         self.state = state
         self.writer = writer
         self.id_column = id_column
+        self.builder = builder
         self.pending: dict[int, _Pending] = {}
         self.planner = WindowPlanner(builder.prepare, cfg.plan.prefix_sort)  # tokenizes each row once
         self.bound = PrefillLowerBound()
@@ -144,14 +158,14 @@ class _Run:
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
-            error = "id is null" if row_id is None else prepared.error
+            error = prepared.error or ("id is null" if row_id is None else None)
             if error:
                 self._reject(base, unit, position, error, prepared.prompt_tokens)
                 continue
             self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n)
             self.bound.add(unit.window, prepared.token_ids)
             fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
-            yield Request(seq, prepared.token_ids, prepared.sampling)
+            yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id))
             seq += 1
 
     def _reject(self, base: dict[str, Any], unit: Unit, position: int, error: str, prompt_tokens: int) -> None:
@@ -189,7 +203,7 @@ def _peak_rss_bytes() -> int:
 
 
 def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
-    """Run the job; returns the metrics also written to `metrics.json`. Raises JobError for job-level errors."""
+    """Run the job; returns the metrics also written to `_metrics.json`. Raises JobError for job-level errors."""
     with contextlib.ExitStack() as resources:  # tensor-parallel workers live as long as the run
         return _run(cfg, stdout or sys.stdout, resources)
 
@@ -205,6 +219,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                            cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
                            cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
     model_path, model_name = _model_path(cfg)
+    _check_kv_budget(cfg, model_path)
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
         from pipeline.parallel.runner import serve_as_torchrun_worker
 
@@ -213,9 +228,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
     plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files),
                     window_rows=cfg.plan.window_rows, rows_per_part=cfg.output.rows_per_part)
-    run_state = RunState(cfg.output.path, plan, cfg.fingerprint(model_path), num_shards=cfg.runtime.num_shards,
-                         shard_index=cfg.runtime.shard_index, lease_timeout_s=cfg.output.lease_timeout_s,
-                         stop=stop)
+    run_state = RunState(cfg.output.path, plan, {**cfg.fingerprint(model_path), "input_content": source.content()},
+                         num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
+                         lease_timeout_s=cfg.output.lease_timeout_s, stop=stop, inputs=source.urls())
     fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
@@ -224,6 +239,11 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     resources.callback(run_state.close)  # releases the lease, also on errors and interruptions
     if status != "run":  # nothing left to do: no model load
         done = status == "complete" or run_state.finish()
+        if status == "idle":  # e.g. the previous run was killed after its last commit: metrics were not written
+            sink.finish_once({"rows": 0, "units_committed": 0, "units_done_before": len(run_state.mine),
+                              "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
+                              "config_fingerprint": fingerprint, "version": __version__, "config": cfg.resolved},
+                             metrics_name(run_state.num_shards, run_state.shard_index))
         print(f"{run_state.shard_label}nothing to do: "
               f"{'the output is complete' if done else 'this shard is done; other shards are not'}",
               file=stdout, flush=True)
@@ -250,6 +270,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         engine = Engine(loaded, cfg.engine, sharded.make_runner)
     except ValueError as e:
         raise JobError(str(e)) from None
+    if cfg.sampling.max_tokens >= engine.max_model_len and "max_tokens" not in types:
+        raise JobError(f"sampling.max_tokens={cfg.sampling.max_tokens} leaves no room for a prompt in "
+                       f"max_model_len={engine.max_model_len}: every row would be an error row")
     from pipeline.perf.report import RunRecorder, write_report
 
     roof = None
@@ -266,7 +289,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     t_loaded = time.perf_counter()
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
 
-    builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len)
+    builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len, cfg.engine.seed)
     writer = UnitWriter(run_state, sink, cfg.sampling.n)
     progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
     state = _Run(cfg, source, run_state, writer, builder, cfg.input.id_column if ids else None)
@@ -328,11 +351,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "config": cfg.resolved,
         "timeseries": recorder.to_json(),
     }
-    sink.finish(metrics, "metrics.json" if run_state.num_shards == 1 else
-                f"metrics-shard-{run_state.shard_index:05d}-of-{run_state.num_shards:05d}.json")
+    sink.finish(metrics, metrics_name(run_state.num_shards, run_state.shard_index))
     if cfg.output.report:
-        folder = cfg.output.path if run_state.num_shards == 1 else \
-            f"{cfg.output.path.rstrip('/')}/report-shard-{run_state.shard_index:05d}"
+        folder = f"{cfg.output.path.rstrip('/')}/{report_dir_name(run_state.num_shards, run_state.shard_index)}"
         keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
                 "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
                 "preemptions", "evictions")

@@ -98,6 +98,8 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("sampling.presence_penalty=2.5", "presence_penalty must be in [-2, 2]"),
     ("sampling.repetition_penalty=0", "repetition_penalty must be a finite number > 0"),
     ("sampling.min_tokens=100", "min_tokens must be an integer in [0, max_tokens]"),
+    ("output.path=memory://results", "is gone when the job exits, with every result; write to a directory or a "
+                                     "bucket, or set output.allow_ephemeral=true"),
 ])
 def test_invalid_values_name_the_key(override, words):
     cfg = compose_job(override)

@@ -5,9 +5,19 @@ masked (`pipeline.engine.constraints`); `logit_bias` is added; under `min_tokens
 the end-of-sequence and stop tokens are masked; then the penalties (vLLM's semantics, see `SamplingParams`)
 apply: repetition over prompt + output tokens, presence and frequency over output tokens. Greedy rows then
 take the argmax. Sampled rows apply, in this order: temperature, top-k, top-p (on the top-k
-renormalized distribution), min-p (relative to the most likely token), then draw by inverse CDF with one
-uniform number from the sequence's own `torch.Generator`. Every operation is row-wise, so a seeded request
-draws the same tokens alone or in any batch. Logprobs, when asked, are of the model's own distribution
+renormalized distribution), min-p (relative to the most likely token), then draw by an exponential race:
+each vocabulary id gets an Exp(1) number E from the sequence's own `torch.Generator` and the kept token with
+the largest p / E wins (an exact draw from the kept distribution; the Gumbel-max trick). Every operation is
+row-wise, so a seeded request draws the same tokens alone or in any batch.
+
+Rows without top-k / top-p / min-p skip the sort those filters need (`bench/sampler.py` times a step).
+
+Why a race and not the inverse CDF: logits of the same row differ in the last bits between batch shapes
+(another matmul blocking), and a CDF summed over a whole vocabulary moves by that much at every token
+boundary, so a near-flat distribution flipped draws between batch sizes. The race flips only when the two
+best p / E are within that rounding of each other, and draws are tied to token ids, not to sorted ranks.
+
+Logprobs, when asked, are of the model's own distribution
 (before temperature and filters): the chosen token plus the top-k alternatives.
 """
 
@@ -90,6 +100,12 @@ def adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     return penalize(logits, seqs)
 
 
+def exponential_draws(seqs: list[Sequence], rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), vocab] Exp(1) numbers, row i from seqs[rows[i]]'s generator, one per vocabulary id."""
+    u = torch.stack([torch.rand(vocab, generator=seqs[i].generator) for i in rows]).to(device)
+    return (-torch.log1p(-u)).clamp_min_(1e-30)  # u in [0, 1): E > 0, so a filtered token (p = 0) never wins
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset(),
            allowed: Allowed | None = None) -> Sampled:
     """One token per row of `logits` [R, V] (float32), row i belonging to seqs[i]; `allowed` masks the
@@ -103,19 +119,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     if sampled_rows:
         params = [seqs[i].sampling for i in sampled_rows]
         dev = logits.device  # the generators are CPU ones: their draws move to the logits' device
-        kept, order = filter_probs(
-            logits[sampled_rows],
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in params], device=dev),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-        )
-        cdf = kept.cumsum(-1)
-        u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled_rows]).to(dev)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=kept.shape[-1] - 1)
-        # The draw may land on a zeroed column's right edge only through rounding; step back to a kept one.
-        pick = torch.minimum(pick, (kept > 0).sum(-1, keepdim=True) - 1)
-        tokens[sampled_rows] = order.gather(1, pick).squeeze(1)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        if all(p.top_k == 0 and p.top_p == 1 and p.min_p == 0 for p in params):  # nothing filtered: no sort
+            by_id = torch.softmax(logits[sampled_rows] / temperature[:, None], dim=-1)
+        else:
+            kept, order = filter_probs(
+                logits[sampled_rows], temperature,
+                torch.tensor([p.top_k for p in params], device=dev),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            )
+            by_id = torch.zeros_like(kept).scatter_(1, order, kept)  # kept probabilities in vocabulary order
+        tokens[sampled_rows] = (by_id / exponential_draws(seqs, sampled_rows, by_id.shape[-1], dev)).argmax(dim=-1)
     token_list = tokens.tolist()
     logprobs: list[dict[int, float] | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# The state after the engine's latest step, not sums; not part of `as_dict` (metrics.json's "engine").
+# The state after the engine's latest step, not sums; not part of `as_dict` (_metrics.json's "engine").
 GAUGES = ("running", "kv_blocks_used", "kv_blocks_total", "block_size")
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pipeline.model.config import ModelConfig, read_json
 from pipeline.model.families import BY_HF_ARCHITECTURE
@@ -104,6 +104,10 @@ class HFCheckpoint:
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor in `dtype`) pairs read one at a time from the memory-mapped shards."""
         for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except SafetensorError as e:  # a truncated or corrupt download
+                raise ValueError(f"{file}: {e}") from None
+            with handle as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                     yield name, f.get_tensor(name).to(dtype)

@@ -43,7 +43,7 @@ GGUF_BLOCK = 32
 @dataclass
 class KernelChoice:
     """Which matmul a model step runs, by its number of rows (tokens), shared by all quantized linears of
-    a model; `steps` counts the forward passes per kernel (reported in metrics.json)."""
+    a model; `steps` counts the forward passes per kernel (reported in _metrics.json)."""
 
     weight_only: str  # the weight-only kernel's name, e.g. "gguf"; "" when every call is W8A8
     w8a8_rows: int | None  # calls with at least this many rows run W8A8; None: never

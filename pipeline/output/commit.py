@@ -20,7 +20,7 @@ class _Open:
 class UnitWriter:
     """Collects each unit's output rows and commits the unit when its last row arrives.
 
-    Rows are sorted by (input position, sample index) before writing, so a part's content does not depend
+    Rows are sorted by (position in the unit's planned order, sample index) before writing, so a part's content does not depend
     on the order in which the engine finished its rows.
     """
 

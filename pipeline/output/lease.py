@@ -6,14 +6,19 @@ second job finds a live lease and stops at once with a message naming the holder
 is older than `output.lease_timeout_s` (the holder died or lost the network) is taken over; on the same
 host a lease whose process is gone is taken over at once, so a restart after a crash does not wait.
 
-Object stores have no atomic create-if-absent here, so acquisition is write-then-read-back after a short
-settle delay, and every heartbeat re-reads the file: an owner that finds someone else's token has lost the
-lease and is told through `on_lost` (the job then stops admitting work). Staleness compares the holder's
+The lease file is created exclusively, so of two jobs starting together exactly one gets it: on local
+disk the record is written to a temp file and hard-linked to the lease name (`link` fails if the name
+exists: an atomic create-if-absent whose content appears whole); on object stores a conditional PUT
+(`If-None-Match: *`, fsspec's `mode="create"`). As a second line for stores that ignore the condition,
+and after taking over a stale lease (delete + create is not atomic), the owner reads the file back after
+a short settle delay. Every heartbeat re-reads the file too: an owner that finds someone else's token has
+lost the lease and is told through `on_lost` (the job then stops admitting work). Staleness compares the holder's
 clock with ours: hosts sharing an output need roughly synchronised clocks (NTP), as usual on clusters.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -27,8 +32,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import JobError
+from pipeline.faults import fault_point
 from pipeline.output.ledger import write_whole
 
 log = logging.getLogger(__name__)
@@ -72,6 +79,28 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _create_local(path: str, data: bytes, token: str) -> None:
+    """Create `path` holding `data`, or raise FileExistsError: a hard link of a complete temp file (readers
+    never see it half written); `O_EXCL` where the filesystem has no hard links."""
+    tmp = f"{path}.tmp-{token}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # atomic: fails if the name exists
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    finally:
+        os.remove(tmp)
 
 
 def lease_name(num_shards: int, shard_index: int) -> str:
@@ -141,14 +170,38 @@ class Lease:
 
     # -- owning ------------------------------------------------------------------------------------------
 
-    def _write(self) -> None:
+    def _record(self) -> bytes:
         now = time.time()
         rec = LeaseRecord(self.name, self.num_shards, self.token, socket.gethostname(), os.getpid(),
                           self._started or now, now)
-        write_whole(self.fs, self.path, json.dumps(asdict(rec)).encode(), "lease")
+        return json.dumps(asdict(rec)).encode()
 
-    def acquire(self) -> Lease:
-        now = time.time()
+    def _write(self) -> None:
+        write_whole(self.fs, self.path, self._record(), "lease")
+
+    def _create(self) -> bool:
+        """Create the lease file only if it does not exist; False if it does (someone else has it)."""
+        data = self._record()
+        try:
+            if isinstance(self.fs, LocalFileSystem):
+                _create_local(self.path, data, self.token)
+            else:
+                self.fs.pipe_file(self.path, data, mode="create")
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise JobError(f"cannot create the lease {self.path}: {e}") from None
+        fault_point("lease.after_write")
+        return True
+
+    def _held_by_another(self, why: str) -> LeaseHeld:
+        rec = self._read(self.path)
+        holder = rec.describe(time.time()) if rec else "unknown"
+        return LeaseHeld(f"another job took the lease {self.path} {why} ({holder})")
+
+    def _check_others(self, now: float) -> bool:
+        """Raise LeaseHeld if a live job holds a conflicting lease; delete stale ones. True if any was stale."""
+        took_over = False
         for path, rec in self._others():
             if not self._conflicts(rec):
                 continue
@@ -159,16 +212,28 @@ class Lease:
                     "after which the lease is taken over"
                 )
             log.warning("taking over stale lease %s (%s)", path, rec.describe(now))
-            if path != self.path:
-                self.fs.rm(path)
+            self.fs.rm(path)
+            took_over = True
+        return took_over
+
+    def acquire(self) -> Lease:
+        now = time.time()
+        took_over = self._check_others(now)
         self._started = now
         self.fs.makedirs(self.dir, exist_ok=True)
-        self._write()
-        time.sleep(self.settle_s)  # a racing writer that checked before our write shows up now
-        rec = self._read(self.path)
-        if rec is None or rec.token != self.token:
-            holder = rec.describe(time.time()) if rec else "unknown"
-            raise LeaseHeld(f"another job took the lease {self.path} at the same moment ({holder})")
+        fault_point("lease.before_create")  # tests: another job starts between our check and our create
+        if not self._create():
+            raise self._held_by_another("at the same moment")
+        if took_over or not isinstance(self.fs, LocalFileSystem):
+            time.sleep(self.settle_s)  # a racing taker (or a store that ignores the condition) shows up now
+            rec = self._read(self.path)
+            if rec is None or rec.token != self.token:
+                raise self._held_by_another("at the same moment")
+        try:  # a job with another shard split may have created its own, conflicting lease meanwhile
+            self._check_others(time.time())
+        except LeaseHeld:
+            self.fs.rm(self.path)
+            raise
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name=f"lease-{self.name}", daemon=True)
         self._thread.start()

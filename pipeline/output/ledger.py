@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,9 +31,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from pipeline.errors import JobError
 from pipeline.faults import fault_point
 
 PART_PREFIX = "part-"
+_TEMP_NAME = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # `write_whole`'s temp files
 PROGRESS_DIR = "_progress"
 SUCCESS_FILE = "_SUCCESS"
 
@@ -90,6 +93,13 @@ def write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: st
 
     `point` names the fault-injection points `<point>.before_write|mid_write|after_write` (see faults.py).
     """
+    try:
+        _write_whole(fs, path, data, point)
+    except OSError as e:  # read-only, full disk, no permission: name the file and the cause
+        raise JobError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: str) -> None:
     fault_point(f"{point}.before_write")
     if isinstance(fs, LocalFileSystem):
         directory, name = posixpath.split(path)
@@ -135,19 +145,54 @@ class Ledger:
 
     def committed(self) -> dict[str, CommitRecord]:
         """All committed units, read in one batched call (concurrent GETs on object stores)."""
+        return self.records()[0]
+
+    def records(self) -> tuple[dict[str, CommitRecord], dict[str, str]]:
+        """The committed units, and the unreadable record files (unit id -> why), which commit nothing."""
         self.fs.invalidate_cache(self.path(PROGRESS_DIR))
         try:
             paths = [p for p in self.fs.ls(self.path(PROGRESS_DIR), detail=False) if p.endswith(".json")]
         except FileNotFoundError:
-            return {}
+            return {}, {}
         if not paths:
-            return {}
-        blobs = self.fs.cat(paths)
-        records = {}
+            return {}, {}
+        blobs = self.fs.cat(paths, on_error="return")
+        records, unreadable = {}, {}
         for p in paths:
-            rec = CommitRecord.from_json(blobs[p], p)
+            try:
+                if isinstance(blobs[p], Exception):
+                    raise LedgerError(f"unreadable ledger record {p}: {blobs[p]}")
+                rec = CommitRecord.from_json(blobs[p], p)
+            except LedgerError as e:
+                unreadable[posixpath.basename(p)[: -len(".json")]] = str(e)
+                continue
             records[rec.unit] = rec
-        return records
+        return records, unreadable
+
+    def damaged(self, records: Mapping[str, CommitRecord]) -> dict[str, str]:
+        """Committed units whose part is missing or not the size its record says (unit -> why).
+
+        One listing of the output folder, no part is read: cheap enough for every start."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            sizes = {posixpath.basename(i["name"]): i.get("size") for i in self.fs.ls(self.root, detail=True)}
+        except FileNotFoundError:
+            sizes = {}
+        out = {}
+        for unit, rec in records.items():
+            if rec.part not in sizes:
+                out[unit] = f"part {rec.part} is missing"
+            elif sizes[rec.part] != rec.bytes:
+                out[unit] = f"part {rec.part} has {sizes[rec.part]} bytes, its ledger record says {rec.bytes}"
+        return out
+
+    def withdraw_success(self) -> None:
+        if self.is_complete():
+            self.fs.rm(self.path(SUCCESS_FILE))
+
+    def uncommit(self, unit_id: str) -> None:
+        """Drop a unit's record (its part is damaged): the unit is to do again."""
+        self.fs.rm(self.record_path(unit_id))
 
     def is_complete(self) -> bool:
         self.fs.invalidate_cache(self.root)
@@ -156,13 +201,14 @@ class Ledger:
     def mark_success(self, expected_units: Sequence[str]) -> bool:
         """Write `_SUCCESS` if every expected unit is committed (any shard may call this; it is idempotent)."""
         done = self.committed()
-        if any(u not in done for u in expected_units):
+        if any(u not in done for u in expected_units) or self.damaged(done):
             return False
         write_whole(self.fs, self.path(SUCCESS_FILE), b"", "success")
         return True
 
-    def remove_leftovers(self, unit_ids: Iterable[str]) -> None:
-        """Delete temp files of interrupted writes for these units (only ours: other shards may be writing)."""
+    def remove_leftovers(self, unit_ids: Iterable[str], everything: bool = False) -> None:
+        """Delete temp files of interrupted writes for these units (only ours: other shards may be writing),
+        or, with `everything` (the caller holds the whole output), every temp file `write_whole` left."""
         if not isinstance(self.fs, LocalFileSystem):
             return  # object stores never hold partial objects under any name
         wanted = {f".{part_name(u)}.tmp-" for u in unit_ids} | {f".{u}.json.tmp-" for u in unit_ids}
@@ -170,7 +216,8 @@ class Ledger:
             if not os.path.isdir(directory):
                 continue
             for name in os.listdir(directory):
-                if any(name.startswith(prefix) for prefix in wanted):
+                ours = bool(_TEMP_NAME.fullmatch(name)) if everything else name.startswith(tuple(wanted))
+                if ours:
                     os.remove(os.path.join(directory, name))
 
     def verify(self, expected: Mapping[str, int] | None = None, id_column: str = "id") -> VerifyReport:
@@ -180,7 +227,8 @@ class Ledger:
         rows and that the ledger holds nothing else.
         """
         report = VerifyReport()
-        records = self.committed()
+        records, unreadable = self.records()
+        report.errors += [why for _, why in sorted(unreadable.items())]
         for unit, rec in sorted(records.items()):
             path = self.path(rec.part)
             if not self.fs.exists(path):

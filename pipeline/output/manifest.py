@@ -6,7 +6,10 @@ own fingerprint with the stored one and refuses, naming what changed, unless `ou
 
 `output.mode`:
 - `resume` (default): start fresh, or continue a run with the same fingerprint; a complete output is a no-op.
-- `overwrite`: delete this pipeline's files in the output (not leases, not foreign files) and start fresh.
+- `overwrite`: delete what the job in the output wrote (the files its manifest and ledger name: parts of its
+  plan, ledger records, metrics, report, `_SUCCESS`, `_job.json`) and start fresh. Nothing else is touched;
+  a non-empty folder without a manifest is refused, naming what `overwrite_all` would delete.
+- `overwrite_all`: delete everything in the output folder (but the live lease) and start fresh.
 - `fail_if_exists`: refuse any output that already holds a job.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +27,22 @@ import fsspec
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
 from pipeline.output.lease import LEASE_DIR
-from pipeline.output.ledger import SUCCESS_FILE, write_whole
+from pipeline.output.ledger import (
+    PROGRESS_DIR,
+    SUCCESS_FILE,
+    CommitRecord,
+    LedgerError,
+    part_name,
+    write_whole,
+)
+from pipeline.output.sink import METRICS_FILE, REPORT_DIR
+from pipeline.plan.units import InputFile, WorkPlan
 
 JOB_FILE = "_job.json"
-MODES = ("resume", "overwrite", "fail_if_exists")
+MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
+# What jobs before the dataset-clean layout wrote beside the parts (overwrite removes them too).
+_LEGACY_METRICS = re.compile(r"metrics(-shard-\d{5}-of-\d{5})?\.json")
+_OURS_SHARDED = re.compile(rf"({re.escape(METRICS_FILE.removesuffix('.json'))}|{REPORT_DIR})-shard-\d{{5}}-of-\d{{5}}(\.json)?")
 MAX_LISTED_CHANGES = 8
 
 
@@ -34,11 +50,14 @@ class OutputConflict(JobError):
     """The output cannot be used by this job as configured; the message says why and what to do."""
 
 
-def make_manifest(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """Canonical manifest: the fingerprint as plain JSON plus its digest."""
+def make_manifest(fingerprint: Mapping[str, Any], inputs: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Canonical manifest: the fingerprint as plain JSON plus its digest.
+
+    `inputs` (input file name -> URL) is recorded outside the digest, for `verify` to re-check the
+    input's content: the same files under another spelling are the same job."""
     canon = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
     digest = hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()
-    return {"digest": digest, "fingerprint": canon}
+    return {"digest": digest, "fingerprint": canon, **({"inputs": dict(inputs)} if inputs else {})}
 
 
 def describe_changes(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -78,9 +97,61 @@ def _user_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     return sorted(n for n in names if not n.startswith(("_", ".")))
 
 
-def _is_ours(name: str) -> bool:
-    """What `overwrite` deletes: parts, metrics and bookkeeping; never live leases or foreign files."""
-    return name != LEASE_DIR and (name.startswith(("part-", "metrics", "_", ".")))
+def plan_of(manifest: Mapping[str, Any]) -> WorkPlan | None:
+    """The work plan a manifest was written for (None for a manifest without one)."""
+    plan = manifest["fingerprint"].get("plan")
+    if plan is None:
+        return None
+    return WorkPlan(tuple(InputFile(*f) for f in plan["files"]), plan["window_rows"], plan["rows_per_part"])
+
+
+def _entries(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """Names directly in the output folder (none if it does not exist)."""
+    fs.invalidate_cache(root)
+    try:
+        return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def _recorded_parts(fs: fsspec.AbstractFileSystem, root: str) -> set[str]:
+    """Part names the ledger records name (unreadable records name none: they are deleted anyway)."""
+    parts = set()
+    for path in fs.glob(posixpath.join(root, PROGRESS_DIR, "*.json")):
+        try:
+            parts.add(CommitRecord.from_json(fs.cat_file(path), path).part)
+        except (LedgerError, OSError):
+            continue
+    return parts
+
+
+def job_files(fs: fsspec.AbstractFileSystem, root: str, stored: Mapping[str, Any]) -> list[str]:
+    """Names in the output folder that the job of manifest `stored` wrote: what `overwrite` deletes.
+
+    Its manifest, ledger, `_SUCCESS`, metrics and report, the parts of its plan and of its ledger
+    records, and the temp files of interrupted writes of those. Never a name the job could not have made.
+    """
+    plan = plan_of(stored)
+    parts = {part_name(u.id) for u in plan.units()} if plan is not None else set()
+    parts |= _recorded_parts(fs, root)
+
+    def made(name: str) -> bool:
+        return (name in (JOB_FILE, SUCCESS_FILE, PROGRESS_DIR, METRICS_FILE, REPORT_DIR) or name in parts
+                or bool(_OURS_SHARDED.fullmatch(name) or _LEGACY_METRICS.fullmatch(name)))
+
+    def temp_of_ours(name: str) -> bool:
+        return name.startswith(".") and ".tmp-" in name and made(name[1:].split(".tmp-")[0])
+
+    return [n for n in _entries(fs, root) if made(n) or temp_of_ours(n)]
+
+
+def _remove(fs: fsspec.AbstractFileSystem, root: str, names: list[str]) -> None:
+    for name in names:
+        path = posixpath.join(root, name)
+        try:
+            fs.rm(path, recursive=True)
+        except OSError as e:
+            raise OutputConflict(f"cannot delete {path} for output.mode=overwrite: {e}") from None
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any] | None:
@@ -120,16 +191,28 @@ def prepare_output(
             f"output.path {root} already holds {'a job' if stored else 'files'} and output.mode=fail_if_exists; "
             "choose a new output.path or use output.mode=resume|overwrite"
         )
-    if mode == "overwrite":
+    if mode in ("overwrite", "overwrite_all"):
         if num_shards > 1:
             raise OutputConflict(
-                "output.mode=overwrite cannot be used with runtime.num_shards > 1 (one shard would delete "
+                f"output.mode={mode} cannot be used with runtime.num_shards > 1 (one shard would delete "
                 "another's work); delete the output once, then run the shards with output.mode=resume"
             )
-        for path in fs.ls(root, detail=False) if fs.exists(root) else []:
-            if _is_ours(posixpath.basename(path.rstrip("/"))):
-                fs.rm(path, recursive=True)
-        stored, others = None, []
+        everything = [n for n in _entries(fs, root) if n != LEASE_DIR]  # the lease is ours, held now
+        if mode == "overwrite_all":
+            doomed = everything
+        elif stored is None and everything:
+            listed = ", ".join(everything[:MAX_LISTED_CHANGES])
+            more = f" and {len(everything) - MAX_LISTED_CHANGES} more" if len(everything) > MAX_LISTED_CHANGES else ""
+            raise OutputConflict(
+                f"output.path {root} holds no {JOB_FILE}, so output.mode=overwrite deletes nothing there; "
+                f"it holds {listed}{more}. Choose a new output.path, or use output.mode=overwrite_all to "
+                "delete all of that"
+            )
+        else:
+            doomed = job_files(fs, root, stored) if stored is not None else []
+        # The manifest goes last: an overwrite cut short still names what is left to delete.
+        _remove(fs, root, sorted(doomed, key=lambda n: n == JOB_FILE))
+        stored, others = None, _user_files(fs, root)
     if stored is not None:
         if stored["digest"] != manifest["digest"]:
             changes = describe_changes(stored["fingerprint"], manifest["fingerprint"])
@@ -141,10 +224,10 @@ def prepare_output(
                 "or choose a new output.path"
             )
         return "complete" if fs.exists(posixpath.join(root, SUCCESS_FILE)) else "resume"
-    if others:
+    if others and mode == "resume":
         raise OutputConflict(
             f"output.path {root} is not empty ({', '.join(others[:5])}) and has no {JOB_FILE}; "
-            "choose a new output.path or use output.mode=overwrite"
+            "choose a new output.path or use output.mode=overwrite_all to delete what is there"
         )
     fs.makedirs(root, exist_ok=True)
     write_whole(fs, posixpath.join(root, JOB_FILE), json.dumps(manifest, indent=1).encode(), "manifest")

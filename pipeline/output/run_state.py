@@ -9,6 +9,7 @@ committed the moment its last row arrives). Which rows to read is `pipeline.plan
 from __future__ import annotations
 
 import logging
+import posixpath
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ from fsspec.core import url_to_fs
 from pipeline.errors import JobError
 from pipeline.output.lease import Lease
 from pipeline.output.ledger import Ledger
-from pipeline.output.manifest import check_not_a_file, make_manifest, prepare_output
+from pipeline.output.manifest import JOB_FILE, check_not_a_file, make_manifest, prepare_output
 from pipeline.output.signals import GracefulStop
 from pipeline.plan.units import Unit, WorkPlan, resolve_shard
 
@@ -29,15 +30,15 @@ class RunState:
 
     def __init__(self, output_path: str, plan: WorkPlan, fingerprint: Mapping[str, Any], *,
                  num_shards: int | None, shard_index: int | None, lease_timeout_s: float,
-                 stop: GracefulStop) -> None:
-        """`fingerprint`: what determines the output rows (`JobConfig.fingerprint`); with the plan's own
-        numbers it makes the manifest a resume must match."""
+                 stop: GracefulStop, inputs: Mapping[str, str] | None = None) -> None:
+        """`fingerprint`: what determines the output rows (`JobConfig.fingerprint` and the input content);
+        with the plan's own numbers it makes the manifest a resume must match. `inputs`: input file URLs."""
         try:
             self.num_shards, self.shard_index = resolve_shard(num_shards, shard_index)
         except ValueError as e:
             raise JobError(f"invalid config: {e}") from None
         self.plan = plan
-        self.manifest = make_manifest({**fingerprint, "plan": plan.fingerprint()})
+        self.manifest = make_manifest({**fingerprint, "plan": plan.fingerprint()}, inputs)
         self.fs, self.root = url_to_fs(output_path)
         self.ledger = Ledger(self.fs, self.root)
         self.stop = stop
@@ -45,6 +46,7 @@ class RunState:
                            on_lost=stop.request_stop)
         self.mine: list[Unit] = []
         self.todo: list[Unit] = []
+        self.fresh = False  # this run wrote the manifest
 
     @property
     def shard_label(self) -> str:
@@ -55,16 +57,24 @@ class RunState:
 
         Returns 'complete' (nothing to do: the whole output is done), 'idle' (this shard is done) or 'run'.
         """
-        check_not_a_file(self.fs, self.root)  # before the lease, which lives inside the output
-        self.lease.acquire()
+        try:
+            check_not_a_file(self.fs, self.root)  # before the lease, which lives inside the output
+            self.lease.acquire()
+        except OSError as e:  # e.g. a read-only or full disk: name the output and the cause
+            raise JobError(f"cannot use output.path {self.root}: {e}") from None
         try:
             state = prepare_output(self.fs, self.root, self.manifest, mode, self.num_shards)
-            if state == "complete":
+            self.fresh = state == "fresh"
+            done = self._intact_commits()
+            if state == "complete" and len(done) == self.plan.num_units:
                 return "complete"
             self.mine = self.plan.shard_units(self.num_shards, self.shard_index)
-            done = self.ledger.committed()
             self.todo = [u for u in self.mine if u.id not in done]
-            self.ledger.remove_leftovers(u.id for u in self.todo)
+            # With the whole output leased, every temp file of an interrupted write is ours to delete.
+            self.ledger.remove_leftovers((u.id for u in self.todo), everything=self.num_shards == 1)
+        except OSError as e:
+            self.lease.release()
+            raise JobError(f"cannot use output.path {self.root}: {e}") from None
         except BaseException:
             self.lease.release()
             raise
@@ -72,6 +82,18 @@ class RunState:
                  len(self.mine), sum(u.num_rows for u in self.mine), len(self.mine) - len(self.todo),
                  len(self.todo), self.todo_rows)
         return "run" if self.todo else "idle"
+
+    def _intact_commits(self) -> set[str]:
+        """Committed units whose part is there with its recorded size; a damaged one is uncommitted (and
+        `_SUCCESS` withdrawn), so it is redone rather than trusted."""
+        records, unreadable = self.ledger.records()
+        bad = {**unreadable, **self.ledger.damaged(records)}
+        for unit, why in sorted(bad.items()):
+            log.warning("unit %s is redone: %s", unit, why)
+            self.ledger.uncommit(unit)
+        if bad:
+            self.ledger.withdraw_success()
+        return set(records) - set(bad)
 
     @property
     def todo_rows(self) -> int:
@@ -82,4 +104,11 @@ class RunState:
         return self.ledger.mark_success([u.id for u in self.plan.units()])
 
     def close(self) -> None:
-        self.lease.release()
+        """Release the lease. A run that wrote the manifest but committed nothing (a failed model load, a
+        bad engine setting, a stop before the first commit) takes the manifest back, so the corrected
+        rerun starts fresh instead of being refused as another configuration."""
+        try:
+            if self.fresh and self.num_shards == 1 and not self.ledger.committed() and not self.ledger.is_complete():
+                self.fs.rm(posixpath.join(self.root, JOB_FILE))
+        finally:
+            self.lease.release()

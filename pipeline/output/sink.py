@@ -19,10 +19,26 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from pipeline.errors import JobError
 from pipeline.output.ledger import part_name, write_whole
 
-METRICS_FILE = "metrics.json"
+# Only part files have visible names: dataset readers (pyarrow.dataset, polars, Spark, `datasets`) skip
+# names starting with "_" or ".", so everything else the job writes is named that way.
+METRICS_FILE = "_metrics.json"
+REPORT_DIR = "_report"
+
+
+def _shard_suffix(num_shards: int, shard_index: int) -> str:
+    return "" if num_shards == 1 else f"-shard-{shard_index:05d}-of-{num_shards:05d}"
+
+
+def metrics_name(num_shards: int = 1, shard_index: int = 0) -> str:
+    """`_metrics.json`, or `_metrics-shard-<i>-of-<n>.json` for one shard of a split run."""
+    return f"_metrics{_shard_suffix(num_shards, shard_index)}.json"
+
+
+def report_dir_name(num_shards: int = 1, shard_index: int = 0) -> str:
+    """`_report`, or `_report-shard-<i>-of-<n>` for one shard of a split run."""
+    return f"{REPORT_DIR}{_shard_suffix(num_shards, shard_index)}"
 
 
 def result_schema(id_type: pa.DataType, passthrough: Mapping[str, pa.DataType], token_ids: bool,
@@ -86,9 +102,11 @@ class ParquetSink:
         """Write the run's metrics (`_SUCCESS` is the ledger's: only when every unit is committed)."""
         self._put(name, (json.dumps(metrics, indent=2, default=str) + "\n").encode(), "metrics")
 
+    def finish_once(self, metrics: Mapping[str, Any], name: str) -> None:
+        """`finish`, unless that file exists (a run that only completed the bookkeeping keeps the real figures)."""
+        self.fs.invalidate_cache(self.root)
+        if not self.fs.exists(posixpath.join(self.root, name)):
+            self.finish(metrics, name)
+
     def _put(self, name: str, data: bytes, point: str) -> None:
-        final = posixpath.join(self.root, name)
-        try:
-            write_whole(self.fs, final, data, point)
-        except OSError as e:
-            raise JobError(f"cannot write {final}: {e}") from None
+        write_whole(self.fs, posixpath.join(self.root, name), data, point)  # JobError naming the file

@@ -14,9 +14,10 @@ import sys
 
 from fsspec.core import url_to_fs
 
+from pipeline.errors import JobError
 from pipeline.output.ledger import Ledger, VerifyReport
-from pipeline.output.manifest import read_manifest
-from pipeline.plan.units import InputFile, WorkPlan
+from pipeline.output.manifest import plan_of, read_manifest
+from pipeline.source.files import footer_digest
 
 
 def verify_output(url: str) -> VerifyReport:
@@ -25,14 +26,30 @@ def verify_output(url: str) -> VerifyReport:
     if manifest is None:
         raise FileNotFoundError(f"{url} has no _job.json: not the output of a job")
     fp = manifest["fingerprint"]
-    plan_fp = fp["plan"]
-    plan = WorkPlan(tuple(InputFile(*f) for f in plan_fp["files"]), plan_fp["window_rows"], plan_fp["rows_per_part"])
+    plan = plan_of(manifest)
     samples = fp["sampling"].get("n", 1)
     ledger = Ledger(fs, root)
     report = ledger.verify({u.id: u.num_rows * samples for u in plan.units()})
+    check_inputs(manifest, report)
     if report.ok and not ledger.is_complete():
         report.notes.append("all units are committed but _SUCCESS is missing (a shard has not finished)")
     return report
+
+
+def check_inputs(manifest: dict, report: VerifyReport) -> None:
+    """Each input file must still have the content the job read (its footer digest)."""
+    urls = manifest.get("inputs", {})
+    for name, digest in sorted(manifest["fingerprint"].get("input_content", {}).items()):
+        url = urls.get(name)
+        try:
+            fs, path = url_to_fs(url)
+            with fs.open(path, "rb") as f:
+                now = footer_digest(f)
+        except (OSError, ValueError, TypeError) as e:
+            report.notes.append(f"input {name} not checked: cannot read {url}: {e}")
+            continue
+        if now != digest:
+            report.errors.append(f"input file {url} changed since the job read it (Parquet footer differs)")
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +58,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         report = verify_output(argv[0])
-    except FileNotFoundError as e:
+    except (FileNotFoundError, JobError) as e:  # not a job output, or an unreadable _job.json
         print(f"error: {e}", file=sys.stderr)
         return 2
     for line in report.errors:

@@ -115,7 +115,7 @@ def read_model(path: str | None, cache_dir: str | None = None) -> tuple[ModelCon
 
 def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[list[int]], int]:
     """Token ids of the first `rows` runnable rows of the input (as the job builds them), and the row count."""
-    from pipeline.source.files import ParquetSource
+    from pipeline.source.files import ParquetSource, batch_rows
     from pipeline.source.prompts import PromptBuilder
 
     source = ParquetSource(job.input.path)
@@ -123,7 +123,7 @@ def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[
     columns = [c for c in (job.input.prompt_column, job.input.messages_column, *job.input.sampling_columns) if c]
     seqs: list[list[int]] = []
     for _, _, batch in source.batches(columns, min(rows, job.input.batch_rows)):
-        for row in batch.to_pylist():
+        for row in batch_rows(batch):
             prepared = builder.prepare(row)
             if prepared.token_ids is not None:
                 seqs.append(prepared.token_ids)
@@ -162,6 +162,12 @@ def plan_figures(
                "bytes_per_sequence": kv_bytes_per_sequence(cfg, full, roof.kv_dtype)},
         "max_batch": {"device_memory": max_batch(cfg, roof.weights, full, hw.memory * opts.tp, roof.kv_dtype),
                       "engine_kv_budget": int(kv_budget // (kv_token * full))},
+    }
+    if out["max_batch"]["device_memory"] == 0:  # no ceiling of an impossible configuration: say what would fit
+        out["does_not_fit"] = {"memory_bytes": hw.memory * opts.tp, "weight_bytes": weight_bytes(cfg, roof.weights),
+                               "suggestions": fitting_alternatives(cfg, hw, opts, roof, full)}
+        return out
+    out |= {
         "decode": [
             {"batch": c.batch, "tokens_per_s": c.tokens_per_s, "bound": c.bound, "intensity": c.intensity,
              "bandwidth_bound": c.bandwidth_bound, "compute_bound": c.compute_bound}
@@ -190,6 +196,26 @@ def plan_figures(
     return out
 
 
+def fitting_alternatives(cfg: ModelConfig, hw: HardwareProfile, opts: PlanOptions, roof: Roofline,
+                         sequence_len: int) -> list[str]:
+    """The smallest tensor-parallel size, and the first lower weight precision, with which one sequence fits."""
+    out = []
+    splits = [tp for tp in range(opts.tp + 1, cfg.num_kv_heads + 1)
+              if cfg.num_kv_heads % tp == 0 and cfg.num_heads % tp == 0]  # as ModelConfig.check_tensor_parallel
+    for tp in splits:
+        if max_batch(cfg, roof.weights, sequence_len, hw.memory * tp, roof.kv_dtype) > 0:
+            out.append(f"engine.tensor_parallel={tp} (roofline.tp={tp}): {tp} devices")
+            break
+    for name in ("int8", "int4-g32"):
+        smaller = precision(name)
+        if smaller.bits_per_weight < roof.weights.bits_per_weight and \
+                max_batch(cfg, smaller, sequence_len, hw.memory * opts.tp, roof.kv_dtype) > 0:
+            out.append(f"model.quant={name.split('-')[0]} (roofline.weights={name}): "
+                       f"{_si(weight_bytes(cfg, smaller), 'B')} of weights")
+            break
+    return out
+
+
 def _si(x: float, unit: str) -> str:
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= factor:
@@ -210,10 +236,18 @@ def format_table(name: str, f: dict) -> str:
                     f"{_si(w['read_per_step_bytes'], 'B')} read per step"),
         ("KV cache", f"{kv['dtype']}: {kv['bytes_per_token']:,} B/token, {_si(kv['bytes_per_sequence'], 'B')} "
                      f"per sequence of {kv['sequence_len']} positions; decode attends over {kv['context']}"),
-        ("max batch", f"{f['max_batch']['device_memory']:,} sequences fit in device memory, "
-                      f"{f['max_batch']['engine_kv_budget']:,} in engine.kv_cache_memory"),
     ]
-    for d in f["decode"]:
+    if "does_not_fit" in f:
+        d = f["does_not_fit"]
+        rows.append(("DOES NOT FIT", f"{_si(d['weight_bytes'], 'B')} of weights plus one sequence's KV cache "
+                                     f"({_si(kv['bytes_per_sequence'], 'B')}) exceed the {_si(d['memory_bytes'], 'B')} "
+                                     "of device memory; no ceilings computed"))
+        rows += [("would fit with", s) for s in d["suggestions"]] or [("would fit with", "nothing tried fits")]
+    else:
+        rows.append(("max batch", f"{f['max_batch']['device_memory']:,} sequences fit in device memory, "
+                                  f"{f['max_batch']['engine_kv_budget']:,} in engine.kv_cache_memory"))
+    rows += [("note", n) for n in f.get("notes", [])]
+    for d in f.get("decode", []):
         rows.append((f"decode batch {d['batch']}",
                      f"{d['tokens_per_s']:,.1f} tok/s ceiling, {d['bound']}-bound (memory {d['bandwidth_bound']:,.1f}, "
                      f"compute {d['compute_bound']:,.1f}); {d['intensity']:.3g} FLOP/byte"))
@@ -244,8 +278,14 @@ def main(argv: list[str]) -> int:
         cfg.check_tensor_parallel(opts.tp)
         hw = load_hardware(hw_name, hw_over)
         max_len = min(job.engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        prompts, total = (sample_prompts(job, tokenizer(), max_len, opts.sample_rows)
-                          if opts.sample_rows > 0 else (None, None))
+        prompts, total, notes = None, None, []
+        if opts.sample_rows > 0:
+            try:
+                tok = tokenizer()
+            except (OSError, ValueError) as e:  # config.json alone is enough for the arithmetic
+                notes.append(f"input sample skipped (no prefill estimate): no tokenizer: {e}")
+            else:
+                prompts, total = sample_prompts(job, tok, max_len, opts.sample_rows)
         figures = plan_figures(
             cfg, hw, opts, model_dtype=resolve_dtype(job.model.dtype, "cpu" if hw_name == "cpu" else "cuda"),
             batch=job.engine.max_batch_size,
@@ -255,6 +295,7 @@ def main(argv: list[str]) -> int:
     except (JobError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    figures["notes"] = notes
     figures["options"] = asdict(opts)
     from pipeline.model.loader import checkpoint_name, local_model_path
 

@@ -7,6 +7,7 @@ tells the same story and greps well.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -61,13 +62,26 @@ class Progress:
         pass
 
 
+FALLBACK_COLUMNS = 120
+
+
+def _columns(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # not a terminal, or no file descriptor
+        return 0
+
+
 class BarProgress(Progress):
     """A tqdm bar over rows with the token rates as its postfix."""
 
     def __init__(self, total_rows: int, stream: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(total_rows, clock)
-        self.bar = tqdm(total=total_rows, unit="row", file=stream, dynamic_ncols=True, mininterval=0.5,
-                        smoothing=0.1)
+        # A terminal that reports no size (a pty under `script`, some CI runners) would get a 0-column bar,
+        # which tqdm draws as nothing: give it a fixed width instead.
+        sized = _columns(stream) > 0
+        self.bar = tqdm(total=total_rows, unit="row", file=stream, dynamic_ncols=sized,
+                        ncols=None if sized else FALLBACK_COLUMNS, mininterval=0.5, smoothing=0.1)
 
     def update(self, rows: int, stats: EngineStats, lower_bound: int = 0) -> None:
         super().update(rows, stats, lower_bound)
@@ -130,7 +144,7 @@ def _bytes(n: float) -> str:
 
 
 def summary(m: dict) -> str:
-    """The end-of-run table (a subset of metrics.json)."""
+    """The end-of-run table (a subset of _metrics.json)."""
     cached = 100.0 * m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
     rows = [
         ("rows", f"{m['rows']:,} in, {m['output_rows']:,} out, {m['error_rows']:,} errors"),

@@ -91,7 +91,7 @@ class RunRecorder:
         return sample
 
     def to_json(self) -> dict:
-        """The series column by column (for metrics.json) plus the roofline it was measured against."""
+        """The series column by column (for _metrics.json) plus the roofline it was measured against."""
         out: dict = {"interval_s": self.interval_s}
         out["series"] = {f.name: [getattr(s, f.name) for s in self.samples] for f in fields(Sample)}
         if self.roofline is not None:

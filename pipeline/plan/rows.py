@@ -8,6 +8,7 @@ from typing import Any
 from pipeline.errors import JobError
 from pipeline.plan.units import Unit, WorkPlan, group_units_by_window
 from pipeline.source.files import ParquetSource, SourceFile
+from pipeline.source.files import batch_rows as rows_of
 
 
 def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns: list[str], batch_rows: int,
@@ -33,7 +34,7 @@ def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns:
         offset = hi
         if not any(w in by_window for w in range(lo // wr, (hi - 1) // wr + 1)):
             continue
-        for i, row in enumerate(batch.to_pylist()):
+        for i, row in enumerate(rows_of(batch)):
             g = lo + i
             if g // wr not in by_window:
                 continue

@@ -7,9 +7,11 @@ come in record batches of only the needed columns, so memory does not grow with 
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import fsspec
 import pyarrow as pa
@@ -30,6 +32,7 @@ class SourceFile:
     size: int
     num_rows: int
     schema: pa.Schema
+    content: str  # `footer_digest`: changes when the file is rewritten with other values
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,38 @@ class ColumnSpec:
     accepts: Callable[[pa.DataType], bool]
     expected: str  # the accepted types in words
     required: bool = True
+
+
+# Key of a row dict under which `batch_rows` lists the cells it could not convert (not a str: no column
+# can have this name).
+BAD_CELLS = object()
+
+
+def batch_rows(batch: pa.RecordBatch) -> list[dict]:
+    """The batch's rows as dicts. A cell that cannot become a Python value (invalid UTF-8 in a string, a
+    value nested too deeply for Python) becomes None and is described under `row[BAD_CELLS]`, so its row
+    becomes an error row instead of ending the run."""
+    try:
+        return batch.to_pylist()
+    except (UnicodeDecodeError, RecursionError):
+        return [_row(batch, i) for i in range(batch.num_rows)]
+
+
+def _row(batch: pa.RecordBatch, i: int) -> dict:
+    row: dict = {}
+    bad = []
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            row[name] = column[i].as_py()
+        except UnicodeDecodeError as e:
+            row[name] = None
+            bad.append(f"column {name!r} is not valid UTF-8 (byte {e.start}: {e.reason})")
+        except RecursionError:
+            row[name] = None
+            bad.append(f"column {name!r} is nested too deeply")
+    if bad:
+        row[BAD_CELLS] = bad
+    return row
 
 
 def _listing(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> list[tuple[str, int]]:
@@ -66,11 +101,26 @@ def _listing(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> list[tuple
     return sorted(files)
 
 
-def _read_footer(fs: fsspec.AbstractFileSystem, path: str, name: str) -> tuple[int, pa.Schema]:
+def footer_digest(f: BinaryIO) -> str:
+    """sha256 of a Parquet file's footer: row groups, column chunk offsets and sizes, min/max statistics.
+
+    Why: the content identity of an input file that costs one small read however large the file is. A
+    rewrite with other values changes chunk sizes or statistics even when the size and row count stay.
+    """
+    f.seek(-8, 2)
+    tail = f.read(8)
+    if tail[4:] != b"PAR1":
+        raise ValueError("not a Parquet file (no PAR1 magic at its end)")
+    length = int.from_bytes(tail[:4], "little")
+    f.seek(-8 - length, 2)
+    return hashlib.sha256(f.read(length)).hexdigest()
+
+
+def _read_footer(fs: fsspec.AbstractFileSystem, path: str, name: str) -> tuple[int, pa.Schema, str]:
     try:
         with fs.open(path, "rb") as f:
             meta = pq.read_metadata(f)
-            return meta.num_rows, meta.schema.to_arrow_schema()
+            return meta.num_rows, meta.schema.to_arrow_schema(), footer_digest(f)
     except Exception as e:
         raise JobError(f"cannot read Parquet file {name}: {e}") from None
 
@@ -96,8 +146,16 @@ class ParquetSource:
         self.files: list[SourceFile] = []
         for p, size in files:
             name = posixpath.relpath(p, root) if root else p
-            num_rows, schema = _read_footer(fs, p, name)
-            self.files.append(SourceFile(p, name, size, num_rows, schema))
+            num_rows, schema, content = _read_footer(fs, p, name)
+            self.files.append(SourceFile(p, name, size, num_rows, schema, content))
+
+    def content(self) -> dict[str, str]:
+        """Each file's content identity, by name (part of the job fingerprint)."""
+        return {f.name: f.content for f in self.files}
+
+    def urls(self) -> dict[str, str]:
+        """Each file's full URL, by name (recorded so that `verify` can re-check the input)."""
+        return {f.name: self.fs.unstrip_protocol(f.path) for f in self.files}
 
     @property
     def total_rows(self) -> int:

@@ -18,7 +18,9 @@ import fsspec
 
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
+from pipeline.engine.sequence import row_seed
 from pipeline.errors import JobError
+from pipeline.source.files import BAD_CELLS
 from pipeline.source.sampling_columns import cell_value
 
 ROLES = ("system", "user", "assistant")
@@ -40,6 +42,7 @@ class Prepared:
     sampling: SamplingParams | None
     error: str | None = None
     prompt_tokens: int = 0  # tokens of the (possibly truncated) prompt; known for over-long rows too
+    own_seed: bool = False  # the row's seed column set `sampling.seed`
 
 
 class RowError(ValueError):
@@ -55,6 +58,8 @@ def _parse_messages(value: Any) -> list[dict]:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise RowError(f"malformed messages: not valid JSON ({e.msg} at char {e.pos})") from None
+        except RecursionError:
+            raise RowError("malformed messages: JSON nested too deeply") from None
     if not isinstance(value, list):
         raise RowError(f"malformed messages: expected a list of {{role, content}}, got {type(value).__name__}")
     if not value:
@@ -103,7 +108,7 @@ class PromptBuilder:
     """Applies the input section of the config to rows, with the model's tokenizer and length limit."""
 
     def __init__(self, tokenizer: ChatTokenizer, inp: InputConfig, sampling: SamplingParams,
-                 max_model_len: int) -> None:
+                 max_model_len: int, job_seed: int = 0) -> None:
         if isinstance(inp.chat_template, str):  # the job's own template instead of the model's
             try:
                 tokenizer = tokenizer.with_chat_template(*chat_template_source(inp.chat_template))
@@ -114,17 +119,29 @@ class PromptBuilder:
         self.inp = inp
         self.sampling = sampling
         self.max_model_len = max_model_len
+        self.job_seed = sampling.seed if sampling.seed is not None else job_seed
+
+    def seeded(self, prepared: Prepared, row_id: Any) -> SamplingParams:
+        """The row's sampling with its own seed: the row's seed column, else `row_seed(job seed, row id)`."""
+        sampling = prepared.sampling
+        assert sampling is not None, "an error row has no sampling"
+        if prepared.own_seed or sampling.greedy:
+            return sampling
+        return dataclasses.replace(sampling, seed=row_seed(self.job_seed, row_id))
 
     def prepare(self, row: Mapping[str, Any]) -> Prepared:
         """The row's prompt and sampling, or an error row's reason (never raises for bad row content)."""
         tokens: list[int] = []
+        if BAD_CELLS in row:
+            return Prepared(None, None, "; ".join(row[BAD_CELLS]))
         try:
             sampling = self._sampling(row)
             tokens = self._encode(self._text(row))
             fitted = self._fit(tokens, sampling.max_tokens)
         except RowError as e:
             return Prepared(None, None, str(e), len(tokens))
-        return Prepared(fitted, sampling, None, len(fitted))
+        own_seed = "seed" in self.inp.sampling_columns and not _missing(row.get("seed"))
+        return Prepared(fitted, sampling, None, len(fitted), own_seed)
 
     def _sampling(self, row: Mapping[str, Any]) -> SamplingParams:
         overrides = {}

@@ -75,7 +75,7 @@ def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, 
     meta = pq.read_metadata(parts[0]).metadata
     assert meta[b"pipeline.model"] == tiny_model_dir.name.encode() and meta[b"pipeline.version"] == b"0.1.0"
     assert meta[b"pipeline.config_fingerprint"].decode() == json.loads((out / "_job.json").read_text())["digest"]
-    on_disk = json.loads((out / "metrics.json").read_text())
+    on_disk = json.loads((out / "_metrics.json").read_text())
     assert (out / "_SUCCESS").exists()
     assert on_disk["rows"] == on_disk["output_rows"] == n_rows and on_disk["error_rows"] == 0
     assert on_disk["generated_tokens"] == df["completion_tokens"].sum() == metrics["generated_tokens"]
@@ -95,9 +95,10 @@ def test_memory_filesystem_end_to_end(tiny_model_dir):
         for shard, ids in enumerate(([10, 11], [12])):
             with fs.open(f"/e2e/in/s{shard}.parquet", "wb") as f:
                 pq.write_table(pa.table({"id": ids, "prompt": ["Say hello."] * len(ids)}), f)
-        run(job(tiny_model_dir, "memory://e2e/in", "memory://e2e/out"), stdout=io.StringIO())
+        run(job(tiny_model_dir, "memory://e2e/in", "memory://e2e/out", "output.allow_ephemeral=true"),
+            stdout=io.StringIO())
         listing = fs.ls("/e2e/out", detail=False)
-        assert {"/e2e/out/metrics.json", "/e2e/out/_SUCCESS"} <= set(listing)
+        assert {"/e2e/out/_metrics.json", "/e2e/out/_SUCCESS"} <= set(listing)
         parts = [p for p in listing if p.startswith("/e2e/out/part-")]
         ids = [i for p in parts for i in pl.read_parquet(fs.cat_file(p))["id"].to_list()]
         assert sorted(ids) == [10, 11, 12]

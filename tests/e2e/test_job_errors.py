@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import polars as pl
@@ -78,10 +77,9 @@ def test_wrong_sampling_column_type(tmp_path):
 
 
 def test_missing_model_file_fails_before_loading(tmp_path, inputs):
-    start = time.perf_counter()
     assert fails(tmp_path, f"input.path={inputs}", "model.path=/models/nope.gguf") == (
         "model file not found: model.path='/models/nope.gguf'")
-    assert time.perf_counter() - start < 5
+    assert not (tmp_path / "out").exists()  # checked before the output was touched
 
 
 def test_id_column_in_some_files_only(tmp_path, inputs):

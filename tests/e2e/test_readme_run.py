@@ -38,7 +38,7 @@ def test_readme_command_on_smollm2(tmp_path, smollm2_path):
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in first["prompt"]]
     reference = dict(zip(first["id"], greedy_decode(loaded.model, prompts, 4, tok.eos_token_ids)))
     assert_only_near_ties(reference, dict(zip(got["id"], got["token_ids"].to_list())), epsilon=1e-3)
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / "_metrics.json").read_text())
     assert metrics["rows"] == len(want) and metrics["generated_tokens"] == got["completion_tokens"].sum()
     # stdout is a pipe, not a terminal: plain progress lines, then the summary table
     assert f"rows {len(want)}/{len(want)} (100.0%)" in done.stdout

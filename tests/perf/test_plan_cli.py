@@ -102,3 +102,26 @@ def test_job_file_is_read_like_the_job_reads_it(capsys, tiny_model_dir, tmp_path
     f = run_json(capsys, f"conf={job}", "hardware=l40s", "roofline.sample_rows=0", "engine.max_batch_size=6")
     assert f["decode"][1]["batch"] == 6  # the command line wins over the file, as in `python -m pipeline`
     assert f["kv"]["sequence_len"] == 512 + 7  # no sample: a 512-token prompt is assumed
+
+
+def test_weights_that_do_not_fit_are_said_plainly_with_what_would_fit(capsys, tiny_model_dir):
+    """Before: "0 sequences fit", then decode ceilings as if they did."""
+    from pipeline.perf.roofline import weight_bytes
+
+    cfg = config_from_hf(json.loads((tiny_model_dir / "config.json").read_text()), "config.json")
+    memory_gb = 0.6 * weight_bytes(cfg, "fp32") / 1e9  # the weights need 1/0.6 devices of this size
+    args = [f"model.path={tiny_model_dir}", "hardware=h100", f"hardware.memory_gb={memory_gb}", "roofline.sample_rows=0"]
+    f = run_json(capsys, *args)
+    assert f["max_batch"]["device_memory"] == 0 and "decode" not in f and "estimate" not in f
+    assert f["does_not_fit"]["suggestions"][0].startswith("engine.tensor_parallel=2 ")
+    assert f["does_not_fit"]["suggestions"][1].startswith("model.quant=int8 ")
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "DOES NOT FIT" in table and "no ceilings computed" in table and "decode batch" not in table
+
+
+def test_a_model_directory_with_config_json_alone_is_enough(capsys, tiny_model_dir, tmp_path, input_path):
+    (tmp_path / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    assert main([f"model.path={tmp_path}", f"input.path={input_path}", "hardware=h100"]) == 0
+    table = capsys.readouterr().out
+    assert "input sample skipped (no prefill estimate): no tokenizer" in table and "decode batch 1 " in table

@@ -81,3 +81,20 @@ def test_summary_table():
     assert "  prompt tokens     8,000 (25.0% cached, 6,000 computed)" in lines
     assert "  peak memory       1.5 GiB" in lines and "  weight bytes      540.0 MiB" in lines
     assert "  weight-read bw    4.25 GB/s" in lines and "  mean batch        47.3 over 300 steps" in lines
+
+
+def test_bar_is_visible_on_a_terminal_without_a_size():
+    """A fresh pty reports 0 columns (as under `script -qc ... > file`); the bar used to draw nothing."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    assert os.get_terminal_size(slave).columns == 0
+    with os.fdopen(slave, "w") as stream:
+        progress = make_progress("auto", 10, 1.0, stream)
+        assert isinstance(progress, BarProgress)
+        progress.update(5, EngineStats())
+        progress.close()
+    shown = os.read(master, 65536).decode()
+    os.close(master)
+    assert "5/10" in shown and "gen " in shown

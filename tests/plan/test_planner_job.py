@@ -165,9 +165,9 @@ def test_report_is_written(tmp_path, tiny_model_dir, workload):
     metrics = run(job(tiny_model_dir, directory, out, "output.report=true", "output.report_interval_s=0.01",
                       *hardware), stdout=io.StringIO())
     for name in ("report.html", "throughput.png", "batch_kv.png", "roofline.png", "efficiency.png"):
-        assert (out / name).stat().st_size > 1000, name
-    series = json.loads((out / "metrics.json").read_text())["timeseries"]
+        assert (out / "_report" / name).stat().st_size > 1000, name
+    series = json.loads((out / "_metrics.json").read_text())["timeseries"]
     assert series == metrics["timeseries"] and series["roofline"]["hardware"] == "cpu"
     assert series["series"]["rows_done"][-1] == metrics["rows"]
-    html = (out / "report.html").read_text()
+    html = (out / "_report" / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and "prefill_efficiency" in html

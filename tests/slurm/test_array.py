@@ -57,7 +57,7 @@ def test_four_shard_array_writes_every_row_once(slurm_cluster, tiny_model_dir, t
     assert all(s == ("COMPLETED", "0:0") for s in states.values()), states
     assert slurm_cluster.wait(final_id, tasks=1, timeout_s=60)[final_id] == ("COMPLETED", "0:0")
     for task in range(4):  # each task did its own quarter: 20 units of 10 rows -> 5 units each
-        metrics = json.loads((out / f"metrics-shard-{task:05d}-of-00004.json").read_text())
+        metrics = json.loads((out / f"_metrics-shard-{task:05d}-of-00004.json").read_text())
         assert metrics["shard"] == {"index": task, "count": 4}
         assert metrics["units_committed"] == 5 and metrics["rows"] == 50
     final_log = (logs / f"slurm-{final_id}-final.out").read_text()

@@ -1,0 +1,45 @@
+"""Time of one sampling step: `sample()` over a batch of sampled rows, each with its own seeded generator.
+
+The draw is an exponential race (one Exp(1) number per vocabulary id per row), so the cost grows with
+batch x vocabulary; rows without top-k / top-p / min-p skip the sort that the filters need.
+
+    python bench/sampler.py                        # batch 64, SmolLM2's vocabulary (49,152), 20 steps
+    python bench/sampler.py --batch 8 --vocab 1000 --steps 3    # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pipeline.engine.request import SamplingParams
+from pipeline.engine.sampler import sample
+from pipeline.engine.sequence import Sequence
+
+
+def step_ms(batch: int, vocab: int, steps: int, sampling: SamplingParams) -> float:
+    seqs = [Sequence(i, i, 0, [1], 1, sampling, i, torch.Generator().manual_seed(i)) for i in range(batch)]
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    sample(logits, seqs)  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        sample(logits, seqs)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, vocabulary {args.vocab}")
+    for label, sp in (("temperature 0.8", SamplingParams(temperature=0.8)),
+                      ("temperature 0.8, top_p 0.95", SamplingParams(temperature=0.8, top_p=0.95))):
+        print(f"{label:<28} {step_ms(args.batch, args.vocab, args.steps, sp):8.2f} ms per step")
+
+
+if __name__ == "__main__":
+    main()
