@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.output.verify import verify_output
-from tests.checkpoint.jobs import read_output
-from tests.checkpoint.test_resume import reference, stable  # noqa: F401  (a fixture)
+from tests.output.jobs import read_output
+from tests.output.test_resume import reference, stable  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from pipeline.errors import JobError
 from pipeline.output.ledger import write_whole
 from pipeline.output.verify import verify_output
-from tests.checkpoint.jobs import REPO, read_output
+from tests.output.jobs import REPO, read_output
 
 
 class FullDisk(MemoryFileSystem):

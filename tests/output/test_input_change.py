@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.output.verify import verify_output
-from tests.checkpoint.jobs import read_output
+from tests.output.jobs import read_output
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from pipeline.engine.request import SamplingParams
 from pipeline.engine.sequence import row_seed
 from pipeline.output.verify import verify_output
 from pipeline.source.prompts import Prepared, PromptBuilder
-from tests.checkpoint.jobs import read_output
-from tests.checkpoint.test_resume import POINTS, crash_and_resume, stable
+from tests.output.jobs import read_output
+from tests.output.test_resume import POINTS, crash_and_resume, stable
 
 HOT = SamplingParams(max_tokens=5, temperature=0.8, n=2)
 
