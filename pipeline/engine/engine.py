@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.request import Request, Result, SamplingParams
 from pipeline.engine.runner import Runner, RunnerFactory, build_batch, kv_bytes_per_block
-from pipeline.engine.sampler import sample
+from pipeline.engine.sampler import Sampled, sample, verify
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
+from pipeline.engine.speculative import make_proposer
 
 
 @dataclass
@@ -47,10 +48,29 @@ class EngineStats:
     sampling_time: float = 0.0
     schedule_time: float = 0.0  # scheduling, batch building and result bookkeeping
     total_time: float = 0.0
+    # Speculative decoding: steps in which some sequence checked guesses; guesses made and accepted; checks
+    # (one per sequence and step that had guesses). Each accepted guess is a forward pass that sequence saved.
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_checks: int = 0
 
     @property
     def mean_running_batch(self) -> float:
         return self.running_sum / self.steps if self.steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def spec_mean_accepted(self) -> float:
+        """Guesses accepted per check (each check also emits one token of the model's own)."""
+        return self.spec_accepted / self.spec_checks if self.spec_checks else 0.0
+
+    @property
+    def spec_step_share(self) -> float:
+        return self.spec_steps / self.steps if self.steps else 0.0
 
     @property
     def steady_mean_running_batch(self) -> float:
@@ -60,13 +80,20 @@ class EngineStats:
         out = asdict(self)
         out["mean_running_batch"] = self.mean_running_batch
         out["steady_mean_running_batch"] = self.steady_mean_running_batch
+        out["spec_acceptance_rate"] = self.spec_acceptance_rate
+        out["spec_mean_accepted"] = self.spec_mean_accepted
+        out["spec_forwards_saved"] = self.spec_accepted
+        out["spec_step_share"] = self.spec_step_share
         return out
 
 
 class Engine:
-    def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner):
+    def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner,
+                 speculative: SpeculativeConfig | None = None, draft_model: Any = None):
         """`make_runner` builds the step executor once the KV pool is sized: the plain `Runner`, or the
-        tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model."""
+        tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model.
+        `speculative` turns on speculative decoding; method draft needs `draft_model` (a `LlamaModel` with
+        the same vocabulary, on one rank)."""
         self.config = config = config or EngineConfig()
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -95,6 +122,9 @@ class Engine:
                 "rank(s); load it with pipeline.parallel.runner.open_model(..., tensor_parallel=N)"
             )
         self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
+        self.speculative = speculative or SpeculativeConfig()
+        self.proposer = make_proposer(self.speculative, draft_model, self.model_config.vocab_size, num_blocks,
+                                      config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -129,7 +159,10 @@ class Engine:
     def abort_all(self) -> None:
         """Drop every waiting and running sequence and return their blocks to the pool."""
         for seq in list(self.scheduler.running):
-            self.scheduler.finish(seq)
+            self._finish(seq)
+        if self.proposer is not None:
+            for seq in self.scheduler.waiting:  # preempted ones may hold a draft cache
+                self.proposer.release(seq)
         self.scheduler.waiting.clear()
         self.kv.pending_copies = []
 
@@ -145,6 +178,7 @@ class Engine:
         """Run one scheduling step; returns the samples that finished in it."""
         t0 = time.perf_counter()
         stats = self.stats
+        self._propose()
         work = self.scheduler.schedule()
         if not work:
             raise RuntimeError("scheduler found no work it could run although sequences are waiting")
@@ -161,21 +195,34 @@ class Engine:
         for seq, n in work:
             stats.attention_pairs += n * seq.num_computed + n * (n + 1) // 2
             stats.prefill_tokens += max(0, min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed)
-            seq.num_computed += n
+            seq.num_computed += n - len(seq.draft)  # guesses count once accepted (see _emit)
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
-        rows, samplers = self._fork_children(samplers)
+        # Rows of logits: 1 + len(draft) per sampler, in order. Plain rows sample; speculating rows verify.
+        first_rows = [0]
+        for seq in samplers:
+            first_rows.append(first_rows[-1] + 1 + len(seq.draft))
+        plain = [(row, seq) for row, seq in zip(first_rows, samplers) if not seq.draft]
+        checking = [seq for seq in samplers if seq.draft]
+        check_rows = [r for row, seq in zip(first_rows, samplers) if seq.draft for r in range(row, row + 1 + len(seq.draft))]
+        rows, plain_samplers = self._fork_children([seq for _, seq in plain])
         t3 = time.perf_counter()
-        if len(rows) > logits.shape[0]:  # forked samples share their parent's row
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        sampled = sample(logits, samplers)
+        if checking or len(rows) > len(plain):  # forked samples share their parent's row
+            plain_rows = [plain[r][0] for r in rows]
+            plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=logits.device))
+        else:
+            plain_logits = logits
+        sampled = sample(plain_logits, plain_samplers)
+        outcomes = [Sampled([t], [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
+        if checking:
+            outcomes += verify(logits[check_rows], checking)
+            stats.spec_steps += 1
         t4 = time.perf_counter()
         finished = []
-        for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
-            if self._append(seq, token, logprobs):
-                self.scheduler.finish(seq)
+        for seq, outcome in zip(plain_samplers + checking, outcomes):
+            if self._emit(seq, outcome):
+                self._finish(seq)
                 finished.append(self._result(seq))
-        stats.decode_tokens += len(samplers)
         stats.steps += 1
         stats.running_sum += len(work)
         stats.preemptions = self.scheduler.preemptions
@@ -260,6 +307,56 @@ class Engine:
                 out.append(child)
             parent.num_children = 0
         return rows, out
+
+    # -- speculative decoding -------------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Give decoding sequences guesses to check in this step, while the batch is small enough that
+        checking k + 1 positions costs about what one does (speculative.max_batch)."""
+        spec = self.speculative
+        running = self.scheduler.running
+        if self.proposer is None or not running or len(running) > spec.max_batch:
+            return
+        seqs, ks = [], []
+        for seq in running:
+            if seq.num_uncomputed != 1 or seq.num_children:
+                continue
+            seq.spec_k = seq.spec_k or spec.k
+            room = min(seq.sampling.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            if min(seq.spec_k, room) > 0:
+                seqs.append(seq)
+                ks.append(min(seq.spec_k, room))
+        for seq, guess in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+            seq.draft = guess
+
+    def _emit(self, seq: Sequence, outcome: Sampled) -> bool:
+        """Append a step's tokens (one, or the accepted guesses and one more) up to a finish; roll the KV
+        cache back past the last kept token. True when the sample is finished."""
+        guessed = len(seq.draft)
+        finished = False
+        for token, logprobs in zip(outcome.token_ids, outcome.logprobs):
+            self.stats.decode_tokens += 1
+            if self._append(seq, token, logprobs):
+                finished = True
+                break
+        if guessed:
+            accepted = len(outcome.token_ids) - 1
+            stats = self.stats
+            stats.spec_checks += 1
+            stats.spec_proposed += guessed
+            stats.spec_accepted += accepted
+            if self.speculative.adaptive_k:
+                step = 1 if accepted == guessed else -1 if accepted == 0 else 0
+                seq.spec_k = max(1, min(self.speculative.k, seq.spec_k + step))
+            seq.num_computed += guessed
+            seq.draft = []
+            self.kv.truncate(seq, seq.num_tokens - 1)  # K/V of the kept tokens but the newest one
+            self.kv.commit(seq)
+        return finished
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     # -- tokens out -----------------------------------------------------------------------------------
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> bool:

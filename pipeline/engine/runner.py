@@ -57,7 +57,10 @@ def build_batch(
     work: list[tuple[Sequence, int]], block_size: int, block_copies: list[tuple[int, int]] = ()
 ) -> tuple[StepBatch, list[Sequence]]:
     """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch and the sequences that
-    sample this step, in the order of `logits_rows`."""
+    sample this step, in the order of `logits_rows`.
+
+    A speculating sequence's tokens continue into its guesses (`seq.draft`): it is a short prefill chunk
+    whose last 1 + len(draft) rows all give logits (one per guess to check, plus the next token)."""
     work = sorted(work, key=lambda w: w[1] > 1)  # single-token rows first, stable
     ids: list[int] = []
     positions: list[int] = []
@@ -68,14 +71,14 @@ def build_batch(
     samplers: list[Sequence] = []
     for seq, n in work:
         lo = seq.num_computed
-        ids.extend(seq.token_ids[lo : lo + n])
+        ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[lo : lo + n])
         positions.extend(range(lo, lo + n))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(lo, lo + n))
         starts.append(starts[-1] + n)
         lens.append(lo + n)
-        if lo + n == seq.num_tokens:
-            rows.append(starts[-1] - 1)
+        if lo + n == seq.num_tokens + len(seq.draft):
+            rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
             samplers.append(seq)
     width = max(len(seq.block_table) for seq, _ in work)
     tables = torch.zeros(len(work), width, dtype=torch.long)
