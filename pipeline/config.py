@@ -21,7 +21,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
@@ -138,7 +138,8 @@ class JobSchema:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    hardware: Any = None  # a conf/hardware/*.yaml profile, for the run report's roofline
+    hardware: Any = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # a conf/hardware/*.yaml profile, for the run report's roofline
 
 
 def register_schema() -> None:
@@ -159,6 +160,7 @@ class JobConfig:
     runtime: RuntimeConfig
     plan: PlanConfig
     resolved: dict  # the whole resolved config as plain data (recorded in metrics.json)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def fingerprint(self, model_path: str) -> dict[str, Any]:
         """What determines the output rows: model identity, sampling, prompt/template settings, output schema.
@@ -170,7 +172,11 @@ class JobConfig:
         resolved = self.resolved
         inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
         engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
+        # Speculation keeps greedy rows but changes which tokens a seed draws; off, it leaves the digest alone.
+        spec = resolved.get("speculative") or {}
+        speculative = {"speculative": spec} if spec.get("method", "none") != "none" else {}
         return {
+            **speculative,
             "model": {**resolved["model"], **model_identity(model_path)},
             "sampling": resolved["sampling"],
             "input": inp,
@@ -273,6 +279,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         runtime=schema.runtime,
         plan=schema.plan,
         resolved=plain,
+        speculative=_frozen(SpeculativeConfig, cfg.speculative, "speculative"),
     )
 
 

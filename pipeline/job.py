@@ -59,6 +59,29 @@ def _model_options(cfg: JobConfig) -> dict[str, Any]:
             "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel}
 
 
+def _draft_model(cfg: JobConfig, model_path: str, loaded: Any) -> Any:
+    """The draft model of speculative.method=draft (None otherwise); its path defaults to the model's own."""
+    spec = cfg.speculative
+    if spec.method != "draft":
+        return None
+    draft = spec.draft
+    path = draft.path or model_path
+    if path == model_path and (draft.dtype, draft.quant) == (cfg.model.dtype, cfg.model.quant) \
+            and cfg.engine.tensor_parallel == 1:
+        return loaded.model  # drafting with the model itself: exact, no second copy (checks, not speed)
+    import torch
+
+    from pipeline.model.loader import load_model
+
+    if not Path(path).exists():
+        raise JobError(f"draft model file not found: speculative.draft.path={path!r}")
+    try:
+        return load_model(path, getattr(torch, draft.dtype), quant=draft.quant,
+                          quant_group_size=cfg.model.quant_group_size).model
+    except (OSError, ValueError, KeyError) as e:
+        raise JobError(f"cannot load draft model {path}: {e}") from None
+
+
 @dataclass
 class _Pending:
     """An input row whose samples are still in the engine."""
@@ -194,7 +217,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         raise JobError(f"cannot load model {model_path}: {e}") from None
     loaded = sharded.loaded
     try:
-        engine = Engine(loaded, cfg.engine, sharded.make_runner)
+        engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
+                        _draft_model(cfg, model_path, loaded))
     except ValueError as e:
         raise JobError(str(e)) from None
     from pipeline.perf.report import RunRecorder, Snapshot, write_report
@@ -218,11 +242,12 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     for result in engine.generate(state.requests()):
         state.accept(result)
         progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens,
-                                 len(engine.scheduler.running), state.bound.total))
+                                 len(engine.scheduler.running), state.bound.total, stats.spec_acceptance_rate,
+                                 stats.spec_mean_accepted))
         recorder.observe(Snapshot.of_engine(engine, state.rows))
     recorder.observe(Snapshot.of_engine(engine, state.rows), force=True)
     progress.update(Counters(state.rows, stats.prefill_tokens, stats.cached_tokens, stats.decode_tokens, 0,
-                             state.bound.total))
+                             state.bound.total, stats.spec_acceptance_rate, stats.spec_mean_accepted))
     progress.close()
     if writer.committed_units < len(run_state.todo):
         if not stop.stopping:  # every row of every unit was admitted: results went missing
@@ -252,6 +277,10 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "steps": stats.steps,
         "preemptions": stats.preemptions,
         "evictions": stats.evictions,
+        "speculative": {"method": cfg.speculative.method, "proposed": stats.spec_proposed,
+                        "accepted": stats.spec_accepted, "acceptance_rate": stats.spec_acceptance_rate,
+                        "mean_accepted": stats.spec_mean_accepted, "forwards_saved": stats.spec_accepted,
+                        "step_share": stats.spec_step_share},
         "plan": {"window_rows": cfg.plan.window_rows, "prefix_sort": cfg.plan.prefix_sort,
                  "windows": state.planner.windows},
         "peak_memory_bytes": _peak_rss_bytes(),
@@ -278,7 +307,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
             f"{cfg.output.path.rstrip('/')}/report-shard-{run_state.shard_index:05d}"
         keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
                 "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
-                "preemptions", "evictions")
+                "preemptions", "evictions", "speculative")
         write_report(folder, metrics["timeseries"], title=f"{cfg.model.name}: {cfg.output.path}",
                      summary={k: metrics[k] for k in keys})
     if not run_state.finish():  # `_SUCCESS` once every shard's units are committed

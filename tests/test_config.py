@@ -84,6 +84,12 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("progress.mode=fancy", "progress.mode"),
     ("progress.log_every_s=0", "progress.log_every_s"),
     ("input.path=[]", "input.path"),
+    ("speculative.method=medusa", "speculative.method"),
+    ("speculative.k=0", "speculative.k must be an integer >= 1"),
+    ("speculative.max_batch=0", "speculative.max_batch"),
+    ("speculative.ngram_min=4", "speculative.ngram_min=4 must not exceed speculative.ngram_max=3"),
+    ("speculative.draft.dtype=int3", "speculative.draft.dtype"),
+    ("speculative.draft.quant=int3", "speculative.draft.quant"),
 ])
 def test_invalid_values_name_the_key(override, words):
     cfg = compose_job(override)
@@ -106,6 +112,8 @@ def test_fingerprint_follows_what_changes_outputs(tmp_path):
     assert fingerprint("sampling.temperature=0.5") != base
     assert fingerprint("model.name=other") != base
     assert fingerprint("engine.seed=1") != base
+    assert fingerprint("speculative.k=2") == base  # speculation off: its keys leave the digest alone
+    assert fingerprint("speculative.method=ngram") != base  # on: it changes which tokens a seed draws
     model.write_bytes(b"12345")  # weights replaced at the same path
     assert fingerprint() != base
 

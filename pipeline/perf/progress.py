@@ -26,6 +26,8 @@ class Counters:
     generated_tokens: int = 0
     running: int = 0  # sequences in the engine's running batch right now
     lower_bound: int = 0  # least prompt positions any order could compute for the rows sent so far (0: unknown)
+    spec_acceptance: float = 0.0  # share of speculative guesses accepted (0: none accepted or none made)
+    spec_mean_accepted: float = 0.0  # guesses accepted per check
 
 
 def prefill_efficiency(lower_bound: int, computed: int) -> float | None:
@@ -41,14 +43,19 @@ def _duration(seconds: float) -> str:
 
 def rates(c: Counters, elapsed: float) -> str:
     """`gen 312.4 tok/s | prompt 1024.0 tok/s | cached 35.2% | batch 48`, then `| prefill eff 97.0%` once the
-    prefill lower bound is known (it counts rows sent to the engine, so mid-run it runs ahead)."""
+    prefill lower bound is known (it counts rows sent to the engine, so mid-run it runs ahead), then
+    `| spec acc 62% x2.40` (guesses accepted, and accepted per check) once speculative guesses are accepted."""
     elapsed = max(elapsed, 1e-9)
     seen = c.prompt_tokens + c.cached_tokens
     cached = 100.0 * c.cached_tokens / seen if seen else 0.0
     line = (f"gen {c.generated_tokens / elapsed:.1f} tok/s | prompt {c.prompt_tokens / elapsed:.1f} tok/s | "
             f"cached {cached:.1f}% | batch {c.running}")
     efficiency = prefill_efficiency(c.lower_bound, c.prompt_tokens)
-    return line if efficiency is None else f"{line} | prefill eff {100 * efficiency:.1f}%"
+    if efficiency is not None:
+        line = f"{line} | prefill eff {100 * efficiency:.1f}%"
+    if c.spec_acceptance:
+        line = f"{line} | spec acc {100 * c.spec_acceptance:.0f}% x{c.spec_mean_accepted:.2f}"
+    return line
 
 
 class Progress:
@@ -135,6 +142,12 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} {unit}"
 
 
+def _speculative(s: dict) -> str:
+    return (f"{s['method']}: {s['accepted']:,} of {s['proposed']:,} guesses accepted "
+            f"({100 * s['acceptance_rate']:.1f}%, {s['mean_accepted']:.2f} per check), "
+            f"{100 * s['step_share']:.0f}% of steps speculated")
+
+
 def summary(m: dict) -> str:
     """The end-of-run table (a subset of metrics.json)."""
     cached = 100.0 * m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
@@ -147,6 +160,8 @@ def summary(m: dict) -> str:
         ("mean batch", f"{m['mean_batch']:.1f} over {m['steps']:,} steps"),
         ("preemptions", f"{m['preemptions']:,}"),
         *([("cache evictions", f"{m['evictions']:,} blocks")] if "evictions" in m else []),
+        *([("speculative", _speculative(m["speculative"]))]
+          if m.get("speculative", {}).get("method", "none") != "none" else []),
         *([("prefill vs bound", f"{m['prefill_lower_bound_tokens']:,} tokens at least, efficiency "
                                 f"{m['prefill_efficiency']:.3f}")] if m.get("prefill_efficiency") else []),
         ("peak memory", _bytes(m["peak_memory_bytes"])
