@@ -87,7 +87,7 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("speculative.method=medusa", "speculative.method"),
     ("speculative.k=0", "speculative.k must be an integer >= 1"),
     ("speculative.max_batch=0", "speculative.max_batch"),
-    ("speculative.ngram_min=4", "speculative.ngram_min=4 must not exceed speculative.ngram_max=3"),
+    ("speculative.ngram_min=5", "speculative.ngram_min=5 must not exceed speculative.ngram_max=4"),
     ("speculative.draft.dtype=int3", "speculative.draft.dtype"),
     ("speculative.draft.quant=int3", "speculative.draft.quant"),
 ])

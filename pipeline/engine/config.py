@@ -109,8 +109,8 @@ class SpeculativeConfig:
 
     method: str = "none"
     k: int = 4
-    ngram_min: int = 1
-    ngram_max: int = 3
+    ngram_min: int = 2  # a 1-token match guesses too often in free text: every guess costs a position
+    ngram_max: int = 4
     max_batch: int = 4
     adaptive_k: bool = False
     draft: DraftConfig = field(default_factory=DraftConfig)

@@ -19,6 +19,7 @@ from pipeline.engine.sampler import verify
 from pipeline.engine.sequence import Sequence
 from pipeline.engine.speculative import NgramProposer
 from pipeline.model.attention import ContiguousKVCache
+from pipeline.model.loader import load_model
 from tests.engine.conftest import CharTokenizer, TinyLoaded, build_tiny, random_prompts, reference_greedy
 
 NEAR_TIE = 1e-4  # a greedy difference is allowed only where the reference's top-2 logits are closer than this
@@ -76,7 +77,7 @@ def varied_requests(tiny, count: int = 12) -> list[Request]:
 
 
 SPECS = {
-    "ngram": lambda tiny: (SpeculativeConfig(method="ngram", k=4, max_batch=64), None),
+    "ngram": lambda tiny: (SpeculativeConfig(method="ngram", k=4, ngram_min=1, max_batch=64), None),
     "draft-self": lambda tiny: (SpeculativeConfig(method="draft", k=3, max_batch=64), tiny.model),
     "draft-noisy": lambda tiny: (SpeculativeConfig(method="draft", k=5, max_batch=64, adaptive_k=True),
                                  perturbed(tiny, 0.05)),
@@ -308,3 +309,27 @@ def test_accepted_guesses_counted_exactly_when_none_are_cut(tiny):
     assert all(got[i].token_ids == reference[i].token_ids for i in reference)
     assert engine.stats.spec_accepted == oracle.expected_accepted > 0
     assert engine.kv.is_idle_whole()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_greedy_identical(smollm2_path, method):
+    """The real model (float32), drafting for itself or by prompt lookup: alone and in a batch of five."""
+    loaded = load_model(smollm2_path)
+    tok = loaded.tokenizer
+    texts = ["Rewrite this fixing the spelling: The comittee met on Tusday to discus the budjet for next yaer.",
+             "Name three colours.", "Repeat exactly: alpha beta gamma delta alpha beta gamma delta",
+             "What is 12 times 7?", "Write a haiku about the sea."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    sps = [SamplingParams(max_tokens=32, logprobs=2), SamplingParams(max_tokens=32, stop=(",",), logprobs=2),
+           SamplingParams(max_tokens=32, logprobs=2), SamplingParams(max_tokens=6, logprobs=2),
+           SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)]
+    requests = [Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
+    spec = SpeculativeConfig(method=method, max_batch=64)
+    draft = loaded.model if method == "draft" else None
+    reference, _ = generate(loaded, requests, kv_cache_memory="64MiB")
+    got, engine = generate(loaded, requests, spec, draft, kv_cache_memory="64MiB")
+    assert_same_or_near_tie(reference, got)
+    alone, _ = generate(loaded, requests[:1], spec, draft, kv_cache_memory="64MiB")
+    assert_same_or_near_tie({0: reference[0]}, alone)
+    assert engine.stats.spec_accepted > 0
