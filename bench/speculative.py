@@ -11,6 +11,10 @@ answer mostly copies the prompt) and chat (the bundled sample prompts). For each
   finished: the last 10% of rows) and the saturated phase (steps with `--batch` sequences running, ms/step);
 - acceptance rate and accepted guesses per check; and whether the greedy tokens equal method none's.
 
+First it prints the cost of a step that checks k guesses per sequence relative to a plain decode step, at
+several batch sizes (`--cost-batches`): where that ratio stays near 1 a step is bound by reading the
+weights and speculation is cheap; `speculative.max_batch` belongs below where it climbs.
+
 Greedy, EOS honoured. Records the load average, since the machine is shared.
 """
 
@@ -105,6 +109,39 @@ def run_job(engine: Engine, prompts: list[list[int]], sp: SamplingParams, batch:
                     s.spec_mean_accepted)
 
 
+class FixedGuesses:
+    """A proposer that guesses k copies of token 1 (for timing: the guesses' content does not matter)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, seqs, ks):
+        return [[1] * min(self.k, k) for k in ks]
+
+    def release(self, seq):
+        pass
+
+
+def check_cost(loaded, batch: int, k: int, context: int = 128, steps: int = 3) -> tuple[float, float]:
+    """Seconds per step for `batch` decoding sequences: plain, and checking k guesses each."""
+    spec = SpeculativeConfig(method="ngram", k=k, max_batch=batch)
+    engine = Engine(loaded, EngineConfig(kv_cache_memory="2GiB", max_batch_size=batch), speculative=spec)
+    sp = SamplingParams(max_tokens=4 * steps * (k + 2), ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(Request(i, [100 + (i + j) % 5000 for j in range(context)], sp))
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    times = []
+    for proposer in (FixedGuesses(0), FixedGuesses(k)):
+        engine.proposer = proposer
+        engine.step()  # warm-up at this shape
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times.append((time.perf_counter() - t) / steps)
+    return times[0], times[1]
+
+
 def batch1_tok_s(make_engine, prompts: list[list[int]], sp: SamplingParams) -> float:
     tokens, seconds = 0, 0.0
     for i, p in enumerate(prompts):
@@ -125,8 +162,9 @@ def main() -> None:
     parser.add_argument("--batch1", type=int, default=8, help="prompts run one at a time")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-batch", type=int, default=4, help="speculative.max_batch")
+    parser.add_argument("--max-batch", type=int, default=2, help="speculative.max_batch")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft"])
+    parser.add_argument("--cost-batches", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     loaded = load_model(args.model)
@@ -134,6 +172,10 @@ def main() -> None:
     if "draft" in args.methods:
         draft = load_model(args.draft or args.model or default_model_path(), quant=args.draft_quant).model
     tok = loaded.tokenizer
+    for batch in args.cost_batches:
+        plain, checking = check_cost(loaded, batch, args.k)
+        print(f"batch {batch:3d}: decode step {plain * 1e3:7.1f} ms, checking {args.k} guesses each "
+              f"{checking * 1e3:7.1f} ms ({checking / plain:.2f}x)", flush=True)
     sp = SamplingParams(max_tokens=args.max_tokens)
     config = EngineConfig(kv_cache_memory="2GiB", max_batch_size=args.batch)
     print(f"model {loaded.name}; draft {'same checkpoint' if args.draft is None else args.draft} "
@@ -141,6 +183,8 @@ def main() -> None:
           f"{args.rows} rows at batch {args.batch}; max_tokens={args.max_tokens}")
     header = (f"{'workload':<11} {'method':<6} {'b1 tok/s':>9} {'x':>5} {'job s':>7} {'x':>5} {'tail s':>7} "
               f"{'x':>5} {'sat ms/step':>11} {'accept':>7} {'acc/chk':>7} {'same':>7}")
+    if not args.rows:
+        return
     print(header)
     for workload, texts in (("copy-heavy", copy_heavy_prompts(args.rows)), ("chat", chat_prompts(args.rows))):
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]

@@ -103,6 +103,9 @@ class SpeculativeConfig:
 
     Only while at most `max_batch` sequences run: there a step is bound by reading the weights, so
     verifying k + 1 positions costs about as much as one; a fuller batch is compute bound and gains nothing.
+    The default 2 suits float32 on a CPU (ridge about 7 positions per step, docs/performance.md); the
+    rule is max_batch ~ ridge positions / (k + 1), ridge positions ~ ridge point (FLOP/byte) x weight
+    bytes per parameter / 2 (docs/engine.md).
     `adaptive_k` lets each sequence propose one more token after a fully accepted guess and one fewer
     (down to 1) after a fully rejected one.
     """
@@ -111,7 +114,7 @@ class SpeculativeConfig:
     k: int = 4
     ngram_min: int = 2  # a 1-token match guesses too often in free text: every guess costs a position
     ngram_max: int = 4
-    max_batch: int = 4
+    max_batch: int = 2
     adaptive_k: bool = False
     draft: DraftConfig = field(default_factory=DraftConfig)
 
