@@ -110,9 +110,11 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
             emitted.append(token)
             if token != guess:
                 break
-        rows = list(range(first, first + len(emitted)))
-        lps = token_logprobs(logits[rows], [seq.sampling.logprobs] * len(rows), emitted)
-        out.append(Sampled(emitted, lps))
+        if seq.sampling.logprobs:
+            rows = logits[first : first + len(emitted)]
+            out.append(Sampled(emitted, token_logprobs(rows, [seq.sampling.logprobs] * len(emitted), emitted)))
+        else:
+            out.append(Sampled(emitted, [None] * len(emitted)))
     return out
 
 
