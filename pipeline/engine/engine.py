@@ -198,13 +198,18 @@ class Engine:
             seq.num_computed += n - len(seq.draft)  # guesses count once accepted (see _emit)
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
-        # Rows of logits: 1 + len(draft) per sampler, in order. Plain rows sample; speculating rows verify.
-        first_rows = [0]
+        # Logits hold 1 + len(draft) rows per sampler, in order: plain rows sample, speculating rows verify.
+        plain: list[tuple[int, Sequence]] = []
+        checking: list[Sequence] = []
+        check_rows: list[int] = []
+        row = 0
         for seq in samplers:
-            first_rows.append(first_rows[-1] + 1 + len(seq.draft))
-        plain = [(row, seq) for row, seq in zip(first_rows, samplers) if not seq.draft]
-        checking = [seq for seq in samplers if seq.draft]
-        check_rows = [r for row, seq in zip(first_rows, samplers) if seq.draft for r in range(row, row + 1 + len(seq.draft))]
+            if seq.draft:
+                checking.append(seq)
+                check_rows.extend(range(row, row + 1 + len(seq.draft)))
+            else:
+                plain.append((row, seq))
+            row += 1 + len(seq.draft)
         rows, plain_samplers = self._fork_children([seq for _, seq in plain])
         t3 = time.perf_counter()
         if checking or len(rows) > len(plain):  # forked samples share their parent's row
@@ -314,7 +319,11 @@ class Engine:
         checking k + 1 positions costs about what one does (speculative.max_batch)."""
         spec = self.speculative
         running = self.scheduler.running
-        if self.proposer is None or not running or len(running) > spec.max_batch:
+        if self.proposer is None:
+            return
+        for seq in running:  # guesses left over from a step that had no budget for them
+            seq.draft = []
+        if len(running) > spec.max_batch:
             return
         seqs, ks = [], []
         for seq in running:

@@ -1,12 +1,13 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
 One token budget per step (`max_batched_tokens`) and a cap on running samples (`max_batch_size`).
-Running sequences are served first, decodes (one token each, plus the tokens a speculating sequence guessed)
-before prefill chunks, so a long prompt is
-cut into chunks that ride along with the decodes instead of stalling them. Waiting sequences are then
-admitted strictly in arrival order while budget, slots and blocks last. When blocks run out, the most
-recently admitted sequence is preempted: its blocks are freed and it is recomputed later (full blocks it
-had registered usually survive in the prefix cache, so recomputation is often a cache hit).
+Running sequences are served first, decodes (one token each, plus the tokens a speculating sequence
+guessed) before prefill chunks, so a long prompt is cut into chunks that ride along with the decodes
+instead of stalling them. Waiting sequences are then admitted strictly in arrival order while budget,
+slots and blocks last. When blocks run out, the most recently admitted sequence is preempted: its blocks
+are freed and it is recomputed later (full blocks it had registered usually survive in the prefix cache, so
+recomputation is often a cache hit). Guesses never cause a preemption: without blocks for them they are
+dropped, and they are cut to the token budget.
 
 Group-aware admission: a waiting sequence whose next uncached full block is being prefilled right now by a
 running sequence is held back (later arrivals may pass it) until that block is cached, so a prefix shared
