@@ -125,7 +125,7 @@ class FixedGuesses:
 def check_cost(loaded, batch: int, k: int, context: int = 128, steps: int = 3) -> tuple[float, float]:
     """Seconds per step for `batch` decoding sequences: plain, and checking k guesses each."""
     spec = SpeculativeConfig(method="ngram", k=k, max_batch=batch)
-    engine = Engine(loaded, EngineConfig(kv_cache_memory="2GiB", max_batch_size=batch), speculative=spec)
+    engine = Engine(loaded, EngineConfig(kv_cache_memory="256MiB", max_batch_size=batch), speculative=spec)
     sp = SamplingParams(max_tokens=4 * steps * (k + 2), ignore_eos=True)
     for i in range(batch):
         engine.add_request(Request(i, [100 + (i + j) % 5000 for j in range(context)], sp))
@@ -178,6 +178,7 @@ def main() -> None:
               f"{checking * 1e3:7.1f} ms ({checking / plain:.2f}x)", flush=True)
     sp = SamplingParams(max_tokens=args.max_tokens)
     config = EngineConfig(kv_cache_memory="2GiB", max_batch_size=args.batch)
+    alone = EngineConfig(kv_cache_memory="256MiB", max_batch_size=1)
     print(f"model {loaded.name}; draft {'same checkpoint' if args.draft is None else args.draft} "
           f"quant={args.draft_quant}; k={args.k}, speculative.max_batch={args.max_batch}; "
           f"{args.rows} rows at batch {args.batch}; max_tokens={args.max_tokens}")
@@ -192,11 +193,11 @@ def main() -> None:
         for method in args.methods:
             spec = SpeculativeConfig(method=method, k=args.k, max_batch=args.max_batch)
 
-            def make_engine(spec=spec):
+            def make_engine(config=alone, spec=spec):
                 return Engine(loaded, config, speculative=spec, draft_model=draft)
 
             b1 = batch1_tok_s(make_engine, prompts[: args.batch1], sp)
-            job = run_job(make_engine(), prompts, sp, args.batch)
+            job = run_job(make_engine(config), prompts, sp, args.batch)
             if method == "none":
                 base = {"b1": b1, "job": job}
             ref = base.get("job")
