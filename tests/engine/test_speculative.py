@@ -333,3 +333,44 @@ def test_smollm2_greedy_identical(smollm2_path, method):
     alone, _ = generate(loaded, requests[:1], spec, draft, kv_cache_memory="64MiB")
     assert_same_or_near_tie({0: reference[0]}, alone)
     assert engine.stats.spec_accepted > 0
+
+
+def engine_pairs(tiny, prompt: list[int], sp: SamplingParams, n: int) -> dict:
+    """Counts of the first two tokens of n seeded requests run with speculation (the model drafting for
+    itself; each request's second token comes out of a check of one guess)."""
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size=64, max_batched_tokens=1024),
+                    speculative=SpeculativeConfig(method="draft", k=1, max_batch=64), draft_model=tiny.model)
+    requests = (Request(i, prompt, SamplingParams(**{**vars(sp), "seed": i})) for i in range(n))
+    counts: dict[tuple, int] = {}
+    for r in engine.generate(requests):
+        key = tuple(r.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    assert engine.stats.spec_checks == n and engine.kv.is_idle_whole()
+    return counts
+
+
+@pytest.mark.slow
+def test_engine_speculative_sampling_keeps_the_joint_distribution(tiny, monkeypatch):
+    """Through the whole engine, 20k seeded requests: the joint distribution of the first two tokens
+    equals p(t1) p(t2 | t1) of the plain sampler (chi-square, significance 0.001), and the wrong rule fails."""
+    prompt = random_prompts(1, 9, 9, seed=25)[0]
+    sp = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
+    with torch.inference_mode():
+        first = tiny.model.compute_logits(tiny.model(torch.tensor(prompt), torch.arange(len(prompt)),
+                                                     ContiguousKVCache(2, tiny.model.scale))[-1:])[0]
+        p1 = plain_distribution(first, 1.0, 6)
+        expected = {}
+        for t1 in p1.nonzero().flatten().tolist():
+            ids = prompt + [t1]
+            logits = tiny.model.compute_logits(tiny.model(torch.tensor(ids), torch.arange(len(ids)),
+                                                          ContiguousKVCache(2, tiny.model.scale))[-1:])[0]
+            p2 = plain_distribution(logits, 1.0, 6)
+            expected.update({(t1, t2): float(p1[t1] * p2[t2]) for t2 in p2.nonzero().flatten().tolist()})
+    n = 20_000
+    assert chi_square_p_value(engine_pairs(tiny, prompt, sp, n), expected, n) > 1e-3
+
+    def wrong_rule(p, d, generator):
+        return d if float(torch.rand(1, generator=generator)) < float(p[d]) else sampler.draw(p, generator)
+
+    monkeypatch.setattr(sampler, "accept_or_resample", wrong_rule)
+    assert chi_square_p_value(engine_pairs(tiny, prompt, sp, n), expected, n) < 1e-3
