@@ -6,7 +6,8 @@
 Two workloads of `--rows` chat prompts each: copy-heavy ("rewrite this paragraph fixing the spelling", the
 answer mostly copies the prompt) and chat (the bundled sample prompts). For each workload and method:
 
-- batch 1: the first `--batch1` prompts one at a time; generated tokens per second (prefill included);
+- batch 1: the first `--batch1` prompts one at a time; generated tokens per second (prefill included) and
+  the share of guesses accepted;
 - a job: all rows at `--batch` running sequences; total wall time, the tail phase (after 90% of the rows
   finished: the last 10% of rows) and the saturated phase (steps with `--batch` sequences running, ms/step);
 - acceptance rate and accepted guesses per check; and whether the greedy tokens equal method none's.
@@ -122,7 +123,7 @@ class FixedGuesses:
         pass
 
 
-def check_cost(loaded, batch: int, k: int, context: int = 128, steps: int = 3) -> tuple[float, float]:
+def check_cost(loaded, batch: int, k: int, context: int = 128, steps: int = 6) -> tuple[float, float]:
     """Seconds per step for `batch` decoding sequences: plain, and checking k guesses each."""
     spec = SpeculativeConfig(method="ngram", k=k, max_batch=batch)
     engine = Engine(loaded, EngineConfig(kv_cache_memory="256MiB", max_batch_size=batch), speculative=spec)
@@ -142,14 +143,16 @@ def check_cost(loaded, batch: int, k: int, context: int = 128, steps: int = 3) -
     return times[0], times[1]
 
 
-def batch1_tok_s(make_engine, prompts: list[list[int]], sp: SamplingParams) -> float:
-    tokens, seconds = 0, 0.0
+def batch1(make_engine, prompts: list[list[int]], sp: SamplingParams) -> tuple[float, float]:
+    """Generated tokens per second over the prompts run one at a time, and the share of guesses accepted."""
+    tokens, seconds, proposed, accepted = 0, 0.0, 0, 0
     for i, p in enumerate(prompts):
         engine = make_engine()
         t = time.perf_counter()
         tokens += sum(len(r.token_ids) for r in engine.generate([Request(i, p, sp)]))
         seconds += time.perf_counter() - t
-    return tokens / seconds
+        proposed, accepted = proposed + engine.stats.spec_proposed, accepted + engine.stats.spec_accepted
+    return tokens / seconds, accepted / proposed if proposed else 0.0
 
 
 def main() -> None:
@@ -163,6 +166,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-batch", type=int, default=2, help="speculative.max_batch")
+    parser.add_argument("--adaptive-k", action="store_true", help="speculative.adaptive_k")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft"])
     parser.add_argument("--cost-batches", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
@@ -180,9 +184,10 @@ def main() -> None:
     config = EngineConfig(kv_cache_memory="2GiB", max_batch_size=args.batch)
     alone = EngineConfig(kv_cache_memory="256MiB", max_batch_size=1)
     print(f"model {loaded.name}; draft {'same checkpoint' if args.draft is None else args.draft} "
-          f"quant={args.draft_quant}; k={args.k}, speculative.max_batch={args.max_batch}; "
+          f"quant={args.draft_quant}; k={args.k}, adaptive_k={args.adaptive_k}, "
+          f"speculative.max_batch={args.max_batch}; "
           f"{args.rows} rows at batch {args.batch}; max_tokens={args.max_tokens}")
-    header = (f"{'workload':<11} {'method':<6} {'b1 tok/s':>9} {'x':>5} {'job s':>7} {'x':>5} {'tail s':>7} "
+    header = (f"{'workload':<11} {'method':<6} {'b1 tok/s':>9} {'x':>5} {'accept':>7} {'job s':>7} {'x':>5} {'tail s':>7} "
               f"{'x':>5} {'sat ms/step':>11} {'accept':>7} {'acc/chk':>7} {'same':>7}")
     if not args.rows:
         return
@@ -191,18 +196,18 @@ def main() -> None:
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
         base: dict = {}
         for method in args.methods:
-            spec = SpeculativeConfig(method=method, k=args.k, max_batch=args.max_batch)
+            spec = SpeculativeConfig(method=method, k=args.k, max_batch=args.max_batch, adaptive_k=args.adaptive_k)
 
             def make_engine(config=alone, spec=spec):
                 return Engine(loaded, config, speculative=spec, draft_model=draft)
 
-            b1 = batch1_tok_s(make_engine, prompts[: args.batch1], sp)
+            b1, b1_accept = batch1(make_engine, prompts[: args.batch1], sp)
             job = run_job(make_engine(config), prompts, sp, args.batch)
             if method == "none":
                 base = {"b1": b1, "job": job}
             ref = base.get("job")
             same = sum(job.tokens[i] == ref.tokens[i] for i in job.tokens) if ref else 0
-            print(f"{workload:<11} {method:<6} {b1:9.1f} {b1 / base.get('b1', b1):5.2f} {job.wall_s:7.1f} "
+            print(f"{workload:<11} {method:<6} {b1:9.1f} {b1 / base.get('b1', b1):5.2f} {b1_accept:7.1%} {job.wall_s:7.1f} "
                   f"{ref.wall_s / job.wall_s if ref else 1:5.2f} {job.tail_s:7.1f} "
                   f"{ref.tail_s / job.tail_s if ref and job.tail_s else 1:5.2f} {job.saturated_ms_per_step:11.1f} "
                   f"{job.acceptance:7.1%} {job.mean_accepted:7.2f} {same:>3}/{len(job.tokens):<3}", flush=True)
