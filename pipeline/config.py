@@ -22,7 +22,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
@@ -161,7 +161,8 @@ class JobSchema:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    hardware: Any = None  # a conf/hardware/*.yaml profile, for the run report's roofline
+    hardware: Any = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # a conf/hardware/*.yaml profile, for the run report's roofline
 
 
 def register_schema() -> None:
@@ -182,6 +183,7 @@ class JobConfig:
     runtime: RuntimeConfig
     plan: PlanConfig
     resolved: dict  # the whole resolved config as plain data (recorded in _metrics.json)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def fingerprint(self, model_path: str) -> dict[str, Any]:
         """What determines the output rows: model identity, sampling, prompt/template settings, output schema.
@@ -193,6 +195,9 @@ class JobConfig:
         resolved = self.resolved
         inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
         engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
+        # Speculation keeps greedy rows but changes which tokens a seed draws; off, it leaves the digest alone.
+        spec = resolved.get("speculative") or {}
+        speculative = {"speculative": spec} if spec.get("method", "none") != "none" else {}
         model = {k: v for k, v in resolved["model"].items() if k != "cache_dir"}  # where a copy lives: no matter
         # The dtype that runs, not `auto`: a run started on CPU (float32) and resumed on a GPU (bfloat16)
         # would otherwise mix rows of two precisions under one fingerprint.
@@ -201,6 +206,7 @@ class JobConfig:
         if model.get("path") and "://" in model["path"]:  # a remote model: its URL, not this machine's cache path
             identity["path"] = model["path"]
         return {
+            **speculative,
             "model": {**model, **identity},
             "sampling": resolved["sampling"],
             "input": inp,
@@ -360,6 +366,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         runtime=schema.runtime,
         plan=schema.plan,
         resolved=plain,
+        speculative=_frozen(SpeculativeConfig, cfg.speculative, "speculative"),
     )
 
 

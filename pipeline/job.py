@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import pyarrow as pa
@@ -111,6 +112,30 @@ def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile) -> Quant
     log.info("model.quant=auto -> %s (W8A8 from %s rows, LM head %s): %s", choice.scheme, choice.w8a8_rows,
              choice.lm_head, choice.reason)
     return choice
+
+
+def _draft_model(cfg: JobConfig, model_path: str, loaded: Any) -> Any:
+    """The draft model of speculative.method=draft (None otherwise); its path defaults to the model's own."""
+    spec = cfg.speculative
+    if spec.method != "draft":
+        return None
+    draft = spec.draft
+    path = draft.path or model_path
+    model_dtype = resolve_dtype(cfg.model.dtype, cfg.engine.device)
+    if path == model_path and (draft.dtype, draft.quant) == (model_dtype, cfg.model.quant) \
+            and cfg.engine.tensor_parallel == 1:
+        return loaded.model  # drafting with the model itself: exact, no second copy (checks, not speed)
+    import torch
+
+    from pipeline.model.loader import load_model
+
+    if not Path(path).exists():
+        raise JobError(f"draft model file not found: speculative.draft.path={path!r}")
+    try:
+        return load_model(path, getattr(torch, draft.dtype), quant=draft.quant,
+                          quant_group_size=cfg.model.quant_group_size).model
+    except (OSError, ValueError, KeyError) as e:
+        raise JobError(f"cannot load draft model {path}: {e}") from None
 
 
 @dataclass
@@ -267,7 +292,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         raise JobError(f"cannot load model {model_path}: {e}") from None
     loaded = sharded.loaded
     try:
-        engine = Engine(loaded, cfg.engine, sharded.make_runner)
+        engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
+                        _draft_model(cfg, model_path, loaded))
     except ValueError as e:
         raise JobError(str(e)) from None
     if cfg.sampling.max_tokens >= engine.max_model_len and "max_tokens" not in types:
@@ -329,6 +355,10 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "steps": stats.steps,
         "preemptions": stats.preemptions,
         "evictions": stats.evictions,
+        "speculative": {"method": cfg.speculative.method, "proposed": stats.spec_proposed,
+                        "accepted": stats.spec_accepted, "acceptance_rate": stats.spec_acceptance_rate,
+                        "mean_accepted": stats.spec_mean_accepted, "forwards_saved": stats.spec_accepted,
+                        "step_share": stats.spec_step_share},
         "plan": {"window_rows": cfg.plan.window_rows, "prefix_sort": cfg.plan.prefix_sort,
                  "windows": state.planner.windows},
         "peak_memory_bytes": _peak_rss_bytes(),
@@ -356,7 +386,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         folder = f"{cfg.output.path.rstrip('/')}/{report_dir_name(run_state.num_shards, run_state.shard_index)}"
         keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
                 "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
-                "preemptions", "evictions")
+                "preemptions", "evictions", "speculative")
         write_report(folder, metrics["timeseries"], title=f"{model_name}: {cfg.output.path}",
                      summary={k: metrics[k] for k in keys})
     if not run_state.finish():  # `_SUCCESS` once every shard's units are committed

@@ -100,6 +100,12 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("sampling.min_tokens=100", "min_tokens must be an integer in [0, max_tokens]"),
     ("output.path=memory://results", "is gone when the job exits, with every result; write to a directory or a "
                                      "bucket, or set output.allow_ephemeral=true"),
+    ("speculative.method=medusa", "speculative.method"),
+    ("speculative.k=0", "speculative.k must be an integer >= 1"),
+    ("speculative.max_batch=0", "speculative.max_batch"),
+    ("speculative.ngram_min=5", "speculative.ngram_min=5 must not exceed speculative.ngram_max=4"),
+    ("speculative.draft.dtype=int3", "speculative.draft.dtype"),
+    ("speculative.draft.quant=int3", "speculative.draft.quant"),
 ])
 def test_invalid_values_name_the_key(override, words):
     cfg = compose_job(override)
@@ -138,6 +144,8 @@ def test_fingerprint_follows_what_changes_outputs(tmp_path):
     assert fingerprint("engine.seed=1") != base
     assert fingerprint("model.dtype=auto", "engine.device=cpu") == fingerprint("model.dtype=float32", "engine.device=cpu")
     assert fingerprint("model.dtype=auto", "engine.device=cuda") != fingerprint("model.dtype=auto", "engine.device=cpu")
+    assert fingerprint("speculative.k=2") == base  # speculation off: its keys leave the digest alone
+    assert fingerprint("speculative.method=ngram") != base  # on: it changes which tokens a seed draws
     model.write_bytes(b"12345")  # weights replaced at the same path
     assert fingerprint() != base
 

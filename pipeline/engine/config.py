@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _UNITS = {
     "": 1, "b": 1,
@@ -87,3 +87,65 @@ class EngineConfig:
     @property
     def waiting_window(self) -> int:
         return self.max_waiting if self.max_waiting is not None else 4 * self.max_batch_size
+
+
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+DRAFT_DTYPES = ("float32", "bfloat16", "float16")
+DRAFT_QUANTS = ("none", "int8", "int4", "gguf")
+
+
+@dataclass
+class DraftConfig:
+    """The draft model of `speculative.method=draft` (loaded by the job: the engine loads no files).
+
+    path=None drafts with the target checkpoint itself (exact but no faster: for tests and checks)."""
+
+    path: str | None = None
+    dtype: str = "float32"
+    quant: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ValueError(f"speculative.draft.path must be a model path or null, got {self.path!r}")
+        if self.dtype not in DRAFT_DTYPES:
+            raise ValueError(f"speculative.draft.dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.dtype!r}")
+        if self.quant not in DRAFT_QUANTS:
+            raise ValueError(f"speculative.draft.quant must be one of {', '.join(DRAFT_QUANTS)}, got {self.quant!r}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to `k` tokens, the model verifies them in one step.
+
+    Only while at most `max_batch` sequences run: there a step is bound by reading the weights, so
+    verifying k + 1 positions costs about as much as one; a fuller batch is compute bound and gains nothing.
+    The default 2 suits float32 on a CPU (ridge about 7 positions per step, docs/performance.md); the
+    rule is max_batch ~ ridge positions / (k + 1), ridge positions ~ ridge point (FLOP/byte) x weight
+    bytes per parameter / 2 (docs/engine.md).
+    `adaptive_k` lets each sequence propose one more token after a fully accepted guess and one fewer
+    (down to 1) after a fully rejected one.
+    """
+
+    method: str = "none"
+    k: int = 4
+    ngram_min: int = 2  # a 1-token match guesses too often in free text: every guess costs a position
+    ngram_max: int = 4
+    max_batch: int = 2
+    adaptive_k: bool = False
+    draft: DraftConfig = field(default_factory=DraftConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.draft, dict):
+            self.draft = DraftConfig(**self.draft)
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for key in ("k", "ngram_min", "ngram_max", "max_batch"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative.{key} must be an integer >= 1, got {value!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"speculative.ngram_min={self.ngram_min} must not exceed speculative.ngram_max={self.ngram_max}")
+        if not isinstance(self.adaptive_k, bool):
+            raise ValueError(f"speculative.adaptive_k must be true or false, got {self.adaptive_k!r}")

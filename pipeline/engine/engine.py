@@ -13,23 +13,27 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.constraints import Constraints, constraint_key
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.request import Request, Result, SamplingParams
 from pipeline.engine.runner import PromptSpan, Runner, RunnerFactory, build_batch, kv_bytes_per_block
-from pipeline.engine.sampler import Allowed, sample
+from pipeline.engine.sampler import Allowed, Sampled, sample, verify
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
+from pipeline.engine.speculative import make_proposer
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.timing import StepClock
 
 
 class Engine:
-    def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner):
+    def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner,
+                 speculative: SpeculativeConfig | None = None, draft_model: Any = None):
         """`make_runner` builds the step executor once the KV pool is sized: the plain `Runner`, or the
         tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model.
-        An unsplit model on CUDA runs on `GpuRunner` (Triton paged attention, CUDA graphs) instead."""
+        An unsplit model on CUDA runs on `GpuRunner` (Triton paged attention, CUDA graphs) instead.
+        `speculative` turns on speculative decoding; method draft needs `draft_model` (a `LlamaModel` with
+        the same vocabulary, on one rank)."""
         self.config = config = config or EngineConfig()
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -69,6 +73,9 @@ class Engine:
                                     config.max_batch_size, self.max_model_len)
         else:
             self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
+        self.speculative = speculative or SpeculativeConfig()
+        self.proposer = make_proposer(self.speculative, draft_model, self.model_config.vocab_size, num_blocks,
+                                      config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._constraints: Constraints | None = None  # built at the first constrained request
         self.stats = EngineStats()
@@ -117,7 +124,10 @@ class Engine:
     def abort_all(self) -> None:
         """Drop every waiting and running sequence and return their blocks to the pool."""
         for seq in list(self.scheduler.running):
-            self.scheduler.finish(seq)
+            self._finish(seq)
+        if self.proposer is not None:
+            for seq in self.scheduler.waiting:  # preempted ones may hold a draft cache
+                self.proposer.release(seq)
         self.scheduler.waiting.clear()
         self.kv.pending_copies = []
         self._update_gauges()
@@ -142,6 +152,7 @@ class Engine:
         """Run one scheduling step; returns the samples that finished in it."""
         t0 = self._clock.stamp()
         stats = self.stats
+        self._propose()
         work = self.scheduler.schedule()
         if not work:
             raise RuntimeError("scheduler found no work it could run although sequences are waiting")
@@ -150,8 +161,21 @@ class Engine:
             stats.steady_running_sum += len(work)
         batch, samplers, prompt_spans = build_batch(work, self.config.block_size, self.kv.pending_copies)
         self.kv.pending_copies = []
-        constrained = [i for i, seq in enumerate(samplers) if seq.matcher is not None]
-        masks = self._constraints.start_masks([samplers[i].matcher for i in constrained]) if constrained else None
+        # Logits hold 1 + len(draft) rows per sampler, in order: plain rows sample, speculating rows verify
+        # (constrained rows never speculate: see _propose). Prompt-logprob rows follow them.
+        plain: list[tuple[int, Sequence]] = []
+        checking: list[Sequence] = []
+        check_rows: list[int] = []
+        row = 0
+        for seq in samplers:
+            if seq.draft:
+                checking.append(seq)
+                check_rows.extend(range(row, row + 1 + len(seq.draft)))
+            else:
+                plain.append((row, seq))
+            row += 1 + len(seq.draft)
+        constrained = [i for i, (_, seq) in enumerate(plain) if seq.matcher is not None]
+        masks = self._constraints.start_masks([plain[i][1].matcher for i in constrained]) if constrained else None
         t1 = self._clock.stamp()
         attention_before = self.runner.attn.attention_seconds
         logits = self.runner.execute(batch)
@@ -160,25 +184,32 @@ class Engine:
         for seq, n in work:
             stats.attention_pairs += n * seq.num_computed + n * (n + 1) // 2
             stats.prefill_tokens += max(0, min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed)
-            seq.num_computed += n
+            seq.num_computed += n - len(seq.draft)  # guesses count once accepted (see _emit)
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
         if prompt_spans:
-            self._prompt_logprobs(logits[len(samplers):], prompt_spans)
-            logits = logits[: len(samplers)]
-        rows, samplers = self._fork_children(samplers)
+            self._prompt_logprobs(logits[len(batch.logits_rows) - sum(len(sp) for _, sp in prompt_spans):],
+                                  prompt_spans)
+        rows, plain_samplers = self._fork_children([seq for _, seq in plain])
         t3 = self._clock.stamp()
-        if len(rows) > logits.shape[0]:  # forked samples share their parent's row
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        # copies the sampled ids to the host: the step's one sync
-        sampled = sample(logits, samplers, self.eos_token_ids, self._allowed(samplers, constrained, masks))
+        if checking or len(rows) > len(plain) or prompt_spans:  # forked samples share their parent's row
+            plain_rows = [plain[r][0] for r in rows]
+            plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=logits.device))
+        else:
+            plain_logits = logits
+        # copies the sampled ids to the host: the step's one sync (verify's are extra, in speculating steps)
+        sampled = sample(plain_logits, plain_samplers, self.eos_token_ids,
+                         self._allowed(plain_samplers, constrained, masks))
+        outcomes = [Sampled([t], [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
+        if checking:
+            outcomes += verify(logits[check_rows], checking)
+            stats.spec_steps += 1
         t4 = self._clock.stamp()
         finished = []
-        for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
-            if self._append(seq, token, logprobs):
-                self.scheduler.finish(seq)
+        for seq, outcome in zip(plain_samplers + checking, outcomes):
+            if self._emit(seq, outcome):
+                self._finish(seq)
                 finished.append(self._result(seq))
-        stats.decode_tokens += len(samplers)
         stats.steps += 1
         stats.running_sum += len(work)
         stats.preemptions = self.scheduler.preemptions
@@ -324,6 +355,60 @@ class Engine:
             parent.num_children = 0
         return rows, out
 
+    # -- speculative decoding -------------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Give decoding sequences guesses to check in this step, while the batch is small enough that
+        checking k + 1 positions costs about what one does (speculative.max_batch)."""
+        spec = self.speculative
+        running = self.scheduler.running
+        if self.proposer is None:
+            return
+        for seq in running:  # guesses left over from a step that had no budget for them
+            seq.draft = []
+        if len(running) > spec.max_batch:
+            return
+        seqs, ks = [], []
+        for seq in running:
+            if seq.num_uncomputed != 1 or seq.num_children or _adjusts_logits(seq):
+                continue
+            seq.spec_k = seq.spec_k or spec.k
+            room = min(seq.sampling.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            if min(seq.spec_k, room) > 0:
+                seqs.append(seq)
+                ks.append(min(seq.spec_k, room))
+        for seq, guess in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+            seq.draft = guess
+
+    def _emit(self, seq: Sequence, outcome: Sampled) -> bool:
+        """Append a step's tokens (one, or the accepted guesses and one more) up to a finish; roll the KV
+        cache back past the last kept token. True when the sample is finished."""
+        guessed = len(seq.draft)
+        finished = False
+        for token, logprobs in zip(outcome.token_ids, outcome.logprobs):
+            self.stats.decode_tokens += 1
+            if self._append(seq, token, logprobs):
+                finished = True
+                break
+        if guessed:
+            accepted = len(outcome.token_ids) - 1
+            stats = self.stats
+            stats.spec_checks += 1
+            stats.spec_proposed += guessed
+            stats.spec_accepted += accepted
+            if self.speculative.adaptive_k:
+                step = 1 if accepted == guessed else -1 if accepted == 0 else 0
+                seq.spec_k = max(1, min(self.speculative.k, seq.spec_k + step))
+            seq.num_computed += guessed
+            seq.draft = []
+            self.kv.truncate(seq, seq.num_tokens - 1)  # K/V of the kept tokens but the newest one
+            self.kv.commit(seq)
+        return finished
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+
     # -- tokens out -----------------------------------------------------------------------------------
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> bool:
         """Add a sampled token; True when the sample is finished (finish_reason set)."""
@@ -390,3 +475,11 @@ class Engine:
         if logprobs is None:
             return None
         return [{t: self.tokenizer.decode([t], skip_special_tokens=False) for t in entry} for entry in logprobs]
+
+
+def _adjusts_logits(seq: Sequence) -> bool:
+    """Whether the sampler changes this sequence's logits before drawing (a constraint, logit_bias,
+    min_tokens or a penalty): verification checks guesses against the model's own distribution, so such
+    sequences do not speculate."""
+    sp = seq.sampling
+    return seq.matcher is not None or bool(sp.logit_bias) or sp.min_tokens > 0 or sp.penalized

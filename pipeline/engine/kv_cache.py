@@ -167,17 +167,34 @@ class KVCacheManager:
     def release(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks go first into the queue so shared heads outlive them."""
         for block in reversed(seq.block_table):
-            count = self.ref_count[block] - 1
-            if count < 0:
-                raise AssertionError(f"block {block} released more often than taken")
-            self.ref_count[block] = count
-            if count == 0:
-                self.free[block] = None
-                if self.hash_of[block] is None:
-                    self.free.move_to_end(block, last=False)  # nothing worth keeping: reuse first
+            self._drop(block)
         seq.block_table = []
         seq.block_serials = []
         seq.num_computed = 0
+
+    def truncate(self, seq: Sequence, num_computed: int) -> None:
+        """Roll seq's cache back to its first `num_computed` positions (rejected speculative tokens): blocks
+        past them are dropped, and the kept last block's stale slots are simply written again later.
+        Registrations only ever cover full blocks of confirmed tokens, so none is undone."""
+        assert num_computed <= seq.num_computed, "truncate only rolls back"
+        keep = -(-num_computed // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self._drop(block)
+        del seq.block_table[keep:]
+        full = num_computed // self.block_size
+        del seq.block_serials[full:]
+        del seq.block_hashes[full:]
+        seq.num_computed = num_computed
+
+    def _drop(self, block: int) -> None:
+        count = self.ref_count[block] - 1
+        if count < 0:
+            raise AssertionError(f"block {block} released more often than taken")
+        self.ref_count[block] = count
+        if count == 0:
+            self.free[block] = None
+            if self.hash_of[block] is None:
+                self.free.move_to_end(block, last=False)  # nothing worth keeping: reuse first
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Let child share parent's computed blocks. A partly filled last block is copied (the two will

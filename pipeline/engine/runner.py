@@ -62,7 +62,10 @@ def build_batch(
 ) -> tuple[StepBatch, list[Sequence], list[PromptSpan]]:
     """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch, the sequences that sample
     this step (the first rows of `logits_rows`, in order) and the prompt positions whose logits follow them
-    (requests with prompt_logprobs: position p's logits score prompt token p + 1)."""
+    (requests with prompt_logprobs: position p's logits score prompt token p + 1).
+
+    A speculating sequence's tokens continue into its guesses (`seq.draft`): it is a short prefill chunk
+    whose last 1 + len(draft) rows all give logits (one per guess to check, plus the next token)."""
     work = sorted(work, key=lambda w: w[1] > 1)  # single-token rows first, stable
     ids: list[int] = []
     positions: list[int] = []
@@ -79,14 +82,14 @@ def build_batch(
             span = range(lo, min(lo + n, seq.num_prompt_tokens - 1))
             spans.append((seq, span))
             prompt_rows.extend(starts[-1] + p - lo for p in span)
-        ids.extend(seq.token_ids[lo : lo + n])
+        ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[lo : lo + n])
         positions.extend(range(lo, lo + n))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(lo, lo + n))
         starts.append(starts[-1] + n)
         lens.append(lo + n)
-        if lo + n == seq.num_tokens:
-            rows.append(starts[-1] - 1)
+        if lo + n == seq.num_tokens + len(seq.draft):
+            rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
             samplers.append(seq)
     width = max(len(seq.block_table) for seq, _ in work)
     tables = torch.zeros(len(work), width, dtype=torch.long)

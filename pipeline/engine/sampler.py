@@ -132,15 +132,94 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
             by_id = torch.zeros_like(kept).scatter_(1, order, kept)  # kept probabilities in vocabulary order
         tokens[sampled_rows] = (by_id / exponential_draws(seqs, sampled_rows, by_id.shape[-1], dev)).argmax(dim=-1)
     token_list = tokens.tolist()
-    logprobs: list[dict[int, float] | None] = [None] * len(seqs)
-    want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+    return Sampled(token_list, token_logprobs(raw, [s.sampling.logprobs for s in seqs], token_list))
+
+
+def token_logprobs(logits: torch.Tensor, wanted: list[int], tokens: list[int]) -> list[dict[int, float] | None]:
+    """Per row: the top-`wanted[i]` log-probabilities of the model's distribution plus the chosen token's
+    (None where wanted[i] is 0)."""
+    logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+    want = [i for i, k in enumerate(wanted) if k]
     if want:
-        lp = torch.log_softmax(raw[want], dim=-1)
-        k = max(seqs[i].sampling.logprobs for i in want)
-        top_v, top_i = lp.topk(k, dim=-1)
+        lp = torch.log_softmax(logits[want], dim=-1)
+        top_v, top_i = lp.topk(max(wanted[i] for i in want), dim=-1)
         for row, i in enumerate(want):
-            n = seqs[i].sampling.logprobs
+            n = wanted[i]
             entry = dict(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist()))
-            entry[token_list[i]] = float(lp[row, token_list[i]])
+            entry[tokens[i]] = float(lp[row, tokens[i]])
             logprobs[i] = entry
-    return Sampled(token_list, logprobs)
+    return logprobs
+
+
+def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+    """Check each sequence's guessed tokens (`seq.draft`) against the model: what each sequence emits.
+
+    `logits` holds 1 + len(seq.draft) consecutive rows per sequence, in `seqs` order: row j is the model's
+    next-token distribution after the sequence's tokens and the first j guesses. A sequence emits its
+    accepted guesses and then one token of its own (a correction, or a bonus after all were accepted).
+    Greedy: a guess is accepted while it equals the row's argmax, so the tokens are exactly greedy decoding's.
+    Sampled: the speculative-sampling rule for a deterministic proposal (q one-hot), which leaves every
+    emitted token distributed exactly as the plain sampler's: accept guess d with probability p(d) (p after
+    temperature and filters); on rejection draw from p with d removed, renormalized (the residual
+    max(0, p - q)); after all are accepted draw the bonus token from the next row's p.
+    """
+    sizes = [1 + len(s.draft) for s in seqs]
+    firsts = [sum(sizes[:i]) for i in range(len(seqs))]
+    greedy_tokens = logits.argmax(dim=-1).tolist()
+    probs = _filtered_probs(logits, [s.sampling for s, size in zip(seqs, sizes) for _ in range(size)])
+    out = []
+    for seq, first in zip(seqs, firsts):
+        emitted: list[int] = []
+        for j, guess in enumerate([*seq.draft, None]):
+            row = first + j
+            if seq.sampling.greedy:
+                token = greedy_tokens[row]
+            elif guess is None:
+                token = draw(probs[row], seq.generator)
+            else:
+                token = accept_or_resample(probs[row], guess, seq.generator)
+            emitted.append(token)
+            if token != guess:
+                break
+        if seq.sampling.logprobs:
+            rows = logits[first : first + len(emitted)]
+            out.append(Sampled(emitted, token_logprobs(rows, [seq.sampling.logprobs] * len(emitted), emitted)))
+        else:
+            out.append(Sampled(emitted, [None] * len(emitted)))
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The sampler's distribution of each row in vocabulary order (rows of greedy params are left zero)."""
+    probs = torch.zeros_like(logits)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        chosen = [params[i] for i in rows]
+        dev = logits.device
+        kept, order = filter_probs(
+            logits[rows],
+            torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in chosen], device=dev),
+            torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=dev),
+            torch.tensor([p.min_p for p in chosen], dtype=torch.float32, device=dev),
+        )
+        probs[rows] = torch.zeros_like(kept).scatter_(1, order, kept / kept.sum(-1, keepdim=True))
+    return probs
+
+
+def accept_or_resample(p: torch.Tensor, guess: int, generator: torch.Generator) -> int:
+    """`guess` with probability p[guess], else a draw from p without it (renormalized)."""
+    if float(torch.rand(1, generator=generator)) < float(p[guess]):
+        return guess
+    residual = p.clone()
+    residual[guess] = 0.0
+    return draw(residual, generator)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One index with probability proportional to the non-negative `weights` [V] (inverse CDF)."""
+    cdf = weights.cumsum(0)
+    u = float(torch.rand(1, generator=generator)) * float(cdf[-1])
+    pick = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))
+    # Rounding may land past the last kept index; step back to the last index with weight.
+    return min(pick, int(weights.nonzero()[-1]))

@@ -1,11 +1,13 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
 One token budget per step (`max_batched_tokens`) and a cap on running samples (`max_batch_size`).
-Running sequences are served first, decodes (one token each) before prefill chunks, so a long prompt is
-cut into chunks that ride along with the decodes instead of stalling them. Waiting sequences are then
-admitted strictly in arrival order while budget, slots and blocks last. When blocks run out, the most
-recently admitted sequence is preempted: its blocks are freed and it is recomputed later (full blocks it
-had registered usually survive in the prefix cache, so recomputation is often a cache hit).
+Running sequences are served first, decodes (one token each, plus the tokens a speculating sequence
+guessed) before prefill chunks, so a long prompt is cut into chunks that ride along with the decodes
+instead of stalling them. Waiting sequences are then admitted strictly in arrival order while budget,
+slots and blocks last. When blocks run out, the most recently admitted sequence is preempted: its blocks
+are freed and it is recomputed later (full blocks it had registered usually survive in the prefix cache, so
+recomputation is often a cache hit). Guesses never cause a preemption: without blocks for them they are
+dropped, and they are cut to the token budget.
 
 Group-aware admission: a waiting sequence whose next uncached full block is being prefilled right now by a
 running sequence is held back (later arrivals may pass it) until that block is cached, so a prefix shared
@@ -52,7 +54,10 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed + len(seq.draft), budget)
+            if seq.draft and not self.kv.allocate(seq, n):  # guesses never preempt anyone: drop them
+                seq.draft = []
+                n = min(seq.num_uncomputed, budget)
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()
                 budget += scheduled.pop(victim, 0)
@@ -60,6 +65,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
+                del seq.draft[max(0, n - seq.num_uncomputed) :]  # guesses past the budget wait
                 scheduled[seq] = n
                 budget -= n
         budget = self._admit(scheduled, budget)
@@ -122,6 +128,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.release(seq)
+        seq.draft = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1

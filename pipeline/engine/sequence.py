@@ -71,6 +71,10 @@ class Sequence:
     finish_reason: str | None = None
     num_children: int = 0  # samples of the same request still to fork from this one after its prefill
     matcher: Any = None  # the constraint's grammar state (llguidance.LLMatcher) when the request has one
+    # Speculative decoding: tokens guessed to follow token_ids, checked by this step's forward (not part of
+    # token_ids until accepted), and how many this sequence may guess (adapted with speculative.adaptive_k).
+    draft: list[int] = field(default_factory=list)
+    spec_k: int = 0
 
     @property
     def num_tokens(self) -> int:

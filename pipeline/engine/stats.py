@@ -35,6 +35,12 @@ class EngineStats:
     sampling_time: float = 0.0
     schedule_time: float = 0.0  # scheduling, batch building and result bookkeeping
     total_time: float = 0.0
+    # Speculative decoding: steps in which some sequence checked guesses; guesses made and accepted; checks
+    # (one per sequence and step that had guesses). Each accepted guess is a forward pass that sequence saved.
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_checks: int = 0
     running: int = 0  # sequences in the running batch
     kv_blocks_used: int = 0  # KV blocks not in the free queue
     kv_blocks_total: int = 0
@@ -48,8 +54,25 @@ class EngineStats:
     def steady_mean_running_batch(self) -> float:
         return self.steady_running_sum / self.steady_steps if self.steady_steps else 0.0
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def spec_mean_accepted(self) -> float:
+        """Guesses accepted per check (each check also emits one token of the model's own)."""
+        return self.spec_accepted / self.spec_checks if self.spec_checks else 0.0
+
+    @property
+    def spec_step_share(self) -> float:
+        return self.spec_steps / self.steps if self.steps else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in GAUGES}
         out["mean_running_batch"] = self.mean_running_batch
         out["steady_mean_running_batch"] = self.steady_mean_running_batch
+        out["spec_acceptance_rate"] = self.spec_acceptance_rate
+        out["spec_mean_accepted"] = self.spec_mean_accepted
+        out["spec_forwards_saved"] = self.spec_accepted
+        out["spec_step_share"] = self.spec_step_share
         return out

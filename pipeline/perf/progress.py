@@ -32,14 +32,20 @@ def _duration(seconds: float) -> str:
 def rates(stats: EngineStats, elapsed: float, lower_bound: int = 0) -> str:
     """`gen 312.4 tok/s | prompt 1024.0 tok/s | cached 35.2% | batch 48`, then `| prefill eff 97.0%` once the
     prefill lower bound is known (least prompt positions any order could compute for the rows sent so far;
-    it counts rows sent to the engine, so mid-run it runs ahead). "prompt" counts computed positions."""
+    it counts rows sent to the engine, so mid-run it runs ahead), then `| spec acc 62% x2.40` (guesses
+    accepted, and accepted per check) once speculative guesses are accepted. "prompt" counts computed
+    positions."""
     elapsed = max(elapsed, 1e-9)
     seen = stats.prefill_tokens + stats.cached_tokens
     cached = 100.0 * stats.cached_tokens / seen if seen else 0.0
     line = (f"gen {stats.decode_tokens / elapsed:.1f} tok/s | prompt {stats.prefill_tokens / elapsed:.1f} tok/s | "
             f"cached {cached:.1f}% | batch {stats.running}")
     efficiency = prefill_efficiency(lower_bound, stats.prefill_tokens)
-    return line if efficiency is None else f"{line} | prefill eff {100 * efficiency:.1f}%"
+    if efficiency is not None:
+        line = f"{line} | prefill eff {100 * efficiency:.1f}%"
+    if stats.spec_acceptance_rate:
+        line = f"{line} | spec acc {100 * stats.spec_acceptance_rate:.0f}% x{stats.spec_mean_accepted:.2f}"
+    return line
 
 
 class Progress:
@@ -143,6 +149,12 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} {unit}"
 
 
+def _speculative(s: dict) -> str:
+    return (f"{s['method']}: {s['accepted']:,} of {s['proposed']:,} guesses accepted "
+            f"({100 * s['acceptance_rate']:.1f}%, {s['mean_accepted']:.2f} per check), "
+            f"{100 * s['step_share']:.0f}% of steps speculated")
+
+
 def summary(m: dict) -> str:
     """The end-of-run table (a subset of _metrics.json)."""
     cached = 100.0 * m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
@@ -155,6 +167,8 @@ def summary(m: dict) -> str:
         ("mean batch", f"{m['mean_batch']:.1f} over {m['steps']:,} steps"),
         ("preemptions", f"{m['preemptions']:,}"),
         *([("cache evictions", f"{m['evictions']:,} blocks")] if "evictions" in m else []),
+        *([("speculative", _speculative(m["speculative"]))]
+          if m.get("speculative", {}).get("method", "none") != "none" else []),
         *([("prefill vs bound", f"{m['prefill_lower_bound_tokens']:,} tokens at least, efficiency "
                                 f"{m['prefill_efficiency']:.3f}")] if m.get("prefill_efficiency") else []),
         ("peak memory", _bytes(m["peak_memory_bytes"])
