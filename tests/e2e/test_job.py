@@ -17,7 +17,7 @@ from pipeline.config import load_job_config
 from pipeline.errors import JobError
 from pipeline.job import run
 from pipeline.model.loader import load_model
-from tests.reference import greedy, prompt_logits
+from tests.reference import assert_only_near_ties, greedy, greedy_decode, prompt_logits
 from tests.test_config import compose_job
 
 FAST = ("engine.kv_cache_memory=16MiB", "sampling.max_tokens=4", "progress.mode=off")
@@ -285,7 +285,10 @@ def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
     tok = reference.tokenizer
     row = pl.read_parquet(out / "*.parquet").sort("id").row(0, named=True)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Question number 0: what comes next?"}]))
-    assert row["token_ids"] == greedy(reference.model, prompt, 4, tok.eos_token_ids)
+    # A difference only where the reference's top two logits tie within the bf16 head's resolution
+    # (2**-5 at logits of 4..8; the tiny model's bf16 logits do tie exactly).
+    decoded = greedy_decode(reference.model, [prompt], 4, tok.eos_token_ids)[0]
+    assert_only_near_ties({0: decoded}, {0: row["token_ids"]}, epsilon=2**-5 + 1e-6)
 
 
 def test_gguf_quant_needs_a_gguf_file(tmp_path, tiny_model_dir):

@@ -110,7 +110,8 @@ def test_weights_that_do_not_fit_are_said_plainly_with_what_would_fit(capsys, ti
 
     cfg = config_from_hf(json.loads((tiny_model_dir / "config.json").read_text()), "config.json")
     memory_gb = 0.6 * weight_bytes(cfg, "fp32") / 1e9  # the weights need 1/0.6 devices of this size
-    args = [f"model.path={tiny_model_dir}", "hardware=h100", f"hardware.memory_gb={memory_gb}", "roofline.sample_rows=0"]
+    args = [f"model.path={tiny_model_dir}", "model.dtype=float32", "hardware=h100", f"hardware.memory_gb={memory_gb}",
+            "roofline.sample_rows=0"]
     f = run_json(capsys, *args)
     assert f["max_batch"]["device_memory"] == 0 and "decode" not in f and "estimate" not in f
     assert f["does_not_fit"]["suggestions"][0].startswith("engine.tensor_parallel=2 ")
