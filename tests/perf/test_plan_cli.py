@@ -89,7 +89,7 @@ def test_bad_arguments_are_named(capsys, tiny_model_dir, args, message):
 @pytest.mark.slow
 def test_command_line(tiny_model_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.plan", f"model.path={tiny_model_dir}", "hardware=h200",
+        [sys.executable, "-m", "pipeline.plan", f"model.path={tiny_model_dir}", "model.dtype=float32", "hardware=h200",
          "roofline.sample_rows=0"], capture_output=True, text=True, timeout=120, check=True,
     ).stdout
     assert re.search(r"ridge point +14 FLOP/byte", out)  # the model's fp32 compute: 67 TFLOP/s / 4.8 TB/s
