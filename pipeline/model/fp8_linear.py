@@ -15,12 +15,9 @@ from pipeline.model.layers import ParallelLinear
 
 class Fp8Linear(ParallelLinear):
     def __init__(self, linear: ParallelLinear):
-        full_in = linear.in_features * (linear.tp.size if linear.shard_dim == 1 else 1)
         device = linear.weight.device
         with torch.device(device):
-            super().__init__(
-                full_in, linear.output_sizes, linear.shard_dim, linear.bias is not None, linear.tp, linear.weight.dtype
-            )
+            super().__init__(*linear.init_args())
             del self.weight
             self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=FP8))
             self.register_buffer("scales", torch.empty(self.out_features, dtype=torch.float32))

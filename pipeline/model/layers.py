@@ -120,6 +120,12 @@ class ParallelLinear(nn.Module):
         # Row-parallel bias is added once, after the all-reduce, so every rank keeps the full bias.
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 
+    def init_args(self) -> tuple:
+        """The constructor arguments that give a layer of this one's shape and sharding (for a quantized
+        replacement built on the same split)."""
+        full_in = self.in_features * (self.tp.size if self.shard_dim == 1 else 1)
+        return full_in, self.output_sizes, self.shard_dim, self.bias is not None, self.tp, self.weight.dtype
+
     def local_rows(self, shard_id: int) -> tuple[int, int]:
         """(start, length) of part `shard_id` inside this rank's fused output rows."""
         start = sum(self.local_output_sizes[:shard_id])

@@ -150,12 +150,9 @@ class QuantLinear(ParallelLinear):
     """
 
     def __init__(self, linear: ParallelLinear, scheme: str, group_size: int):
-        full_in = linear.in_features * (linear.tp.size if linear.shard_dim == 1 else 1)
         device = linear.weight.device
         with torch.device(device):
-            super().__init__(
-                full_in, linear.output_sizes, linear.shard_dim, linear.bias is not None, linear.tp, linear.weight.dtype
-            )
+            super().__init__(*linear.init_args())
         del self.weight
         self.device = device
         if scheme not in QUANT_SCHEMES[1:]:

@@ -15,6 +15,7 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,10 +52,12 @@ class ShardSpec:
     w8a8_rows: int | None = None
     quant_lm_head: str = "int8"
 
+    def load(self, group: TPGroup, device: str) -> LoadedModel:
+        return load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size,
+                          self.w8a8_rows, self.quant_lm_head)
+
     def build(self, group: TPGroup, device: str) -> RunnerWorker:
-        loaded = load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size,
-                            self.w8a8_rows, self.quant_lm_head)
-        return RunnerWorker(loaded.model, torch.device(device))
+        return RunnerWorker(self.load(group, device).model, torch.device(device))
 
 
 class RunnerWorker:
@@ -110,30 +113,27 @@ class ShardedModel:
 @contextlib.contextmanager
 def open_model(
     path: str | Path,
-    dtype: torch.dtype = torch.float32,
     device: str = "cpu",
-    quant: str = "none",
-    quant_group_size: int = 32,
     tensor_parallel: int = 1,
     threads: int | None = None,
     timeout_s: float = 300.0,
-    w8a8_rows: int | None = None,
-    quant_lm_head: str = "int8",
+    **load: Any,
 ) -> Iterator[ShardedModel]:
     """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
 
-    device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model` and the plain runner. Otherwise the head
-    counts are checked before any process starts; under `torchrun` (its RANK/WORLD_SIZE in the
+    `load` is how every rank loads it: `ShardSpec`'s fields (dtype, quant, quant_group_size, w8a8_rows,
+    quant_lm_head). device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model` and the
+    plain runner. Otherwise the head counts are checked before any process starts; under `torchrun` (its RANK/WORLD_SIZE in the
     environment) the ranks it started are joined instead of spawning, and ranks > 0 serve steps here and
     then exit the process (SystemExit 0). Leaving the block normally stops the workers in order; an
     exception terminates them.
     """
     device = _resolve_device(device)
+    spec = ShardSpec(str(path), **load)
     if tensor_parallel == 1:
-        yield ShardedModel(load_model(path, dtype, SINGLE, device, quant, quant_group_size, w8a8_rows, quant_lm_head))
+        yield ShardedModel(spec.load(SINGLE, device))
         return
     open_model_file(path).config.check_tensor_parallel(tensor_parallel)
-    spec = ShardSpec(str(path), dtype, quant, quant_group_size, w8a8_rows, quant_lm_head)
     env = TorchrunEnv.from_env()
     driver: StepDriver
     if env is None:
@@ -148,7 +148,7 @@ def open_model(
     ok = False
     try:
         device = rank_device(device, env.local_rank if env else 0)
-        loaded = load_model(path, dtype, group, device, quant, quant_group_size, w8a8_rows, quant_lm_head)
+        loaded = spec.load(group, device)
         driver.wait_ready()
         yield ShardedModel(loaded, driver)
         ok = True
@@ -158,26 +158,23 @@ def open_model(
 
 def serve_as_torchrun_worker(
     path: str | Path,
-    dtype: torch.dtype = torch.float32,
     device: str = "cpu",
-    quant: str = "none",
-    quant_group_size: int = 32,
     tensor_parallel: int = 1,
     threads: int | None = None,
     timeout_s: float = 300.0,
-    w8a8_rows: int | None = None,
-    quant_lm_head: str = "int8",
+    **load: Any,
 ) -> bool:
     """Under torchrun, ranks > 0 only hold a shard: load it, serve rank 0's steps until it stops, then
     return True. Returns False at once on rank 0 and outside torchrun (the caller runs the job).
 
     Call it before the job touches its output, so that only rank 0 reads input and writes results.
+    `load` as for `open_model`.
     """
     env = TorchrunEnv.from_env()
     if env is None or env.rank == 0 or tensor_parallel == 1:
         return False
     open_model_file(path).config.check_tensor_parallel(tensor_parallel)
-    spec = ShardSpec(str(path), dtype, quant, quant_group_size, w8a8_rows, quant_lm_head)
+    spec = ShardSpec(str(path), **load)
     _serve_torchrun(env, spec, tensor_parallel, _resolve_device(device), threads, timeout_s)
     return True
 
