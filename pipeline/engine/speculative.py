@@ -84,8 +84,8 @@ class DraftProposer:
         for step in range(max((k for _, _, k in active), default=0)):
             if step:
                 work = [(shadow, 1) for _, shadow, k in active if k > step]
-            batch, samplers = build_batch(work, self.block_size)
-            tokens = self.runner.execute(batch).argmax(dim=-1).tolist()
+            batch, samplers, _ = build_batch(work, self.block_size)  # prompt-logprob rows, if any, come last
+            tokens = self.runner.execute(batch)[: len(samplers)].argmax(dim=-1).tolist()
             for shadow, n in work:
                 shadow.num_computed += n
             by_shadow = dict(zip(samplers, tokens))
