@@ -33,7 +33,7 @@ def _run(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
         if hydra_cfg.mode == RunMode.MULTIRUN:
-            cfg.output.path = per_job_output_path(cfg.output.path, hydra_cfg.job.override_dirname, hydra_cfg.job.num)
+            cfg.output.path = per_job_output_path(cfg.output.path, hydra_cfg.job.override_dirname)
         job_cfg = load_job_config(cfg)
         from pipeline.job import run  # imported here so that config errors fail before torch loads
 

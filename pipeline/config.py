@@ -377,11 +377,13 @@ CONFIG_GROUPS = ("model", "hardware")
 LM_HEAD_CHOICES = ("auto", "int8", "bf16", "none")
 
 
-def per_job_output_path(output_path: str, override_dirname: str, job_num: int) -> str:
-    """A multirun job's own output folder: `<output.path>/<its swept overrides>` (`<output.path>/job-<n>`
-    when it has none). Why: every job of `-m sampling.temperature=0,0.7` would otherwise share one output, and the
-    second would be refused as a different configuration."""
-    return f"{output_path.rstrip('/')}/{override_dirname or f'job-{job_num}'}"
+def per_job_output_path(output_path: str, override_dirname: str) -> str:
+    """A multirun job's own output folder: `<output.path>/<its swept overrides>`. Why: every job of
+    `-m sampling.temperature=0,0.7` would otherwise share one output, and the second would be refused as a
+    different configuration. Swept `runtime.*` keys (shards of one output: `runtime.shard_index=range(0,4)`
+    under a Slurm launcher) and a swept `output.path` are left out of the name, so such jobs keep the
+    output they name."""
+    return f"{output_path.rstrip('/')}/{override_dirname}" if override_dirname else output_path
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
@@ -400,6 +402,10 @@ def hydra_argv(argv: list[str]) -> list[str]:
     return [*argv, *overrides, *_sweep_folder_argv([*argv, *overrides])]  # after Hydra's --flags, which precede the overrides
 
 
+# Swept keys that do not name a job's own output folder (see per_job_output_path).
+_OUTPUT_NAMING_KEYS = ("runtime.", "output.path", "hydra.")
+
+
 def _sweep_folder_argv(argv: list[str]) -> list[str]:
     """Under `-m`: Hydra's `override_dirname`, which names each job's output folder, keeps only the swept keys
     (every other override is excluded), so `-m sampling.temperature=0,0.7 input.path=...` writes to
@@ -412,7 +418,8 @@ def _sweep_folder_argv(argv: list[str]) -> list[str]:
         parsed = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
     except Exception:  # Hydra reports a malformed override itself, with its own message
         return []
-    fixed = sorted({o.key_or_group for o in parsed if not o.is_sweep_override()})
+    fixed = sorted({o.key_or_group for o in parsed
+                    if not o.is_sweep_override() or o.key_or_group.startswith(_OUTPUT_NAMING_KEYS)})
     return [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(fixed)}]"]
 
 

@@ -13,15 +13,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import per_job_output_path
+from pipeline.config import hydra_argv, per_job_output_path
 from pipeline.output.verify import verify_output
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_per_job_output_path():
-    assert per_job_output_path("out/run/", "sampling.temperature=0.7", 1) == "out/run/sampling.temperature=0.7"
-    assert per_job_output_path("s3://b/run", "", 3) == "s3://b/run/job-3"
+    assert per_job_output_path("out/run/", "sampling.temperature=0.7") == "out/run/sampling.temperature=0.7"
+    assert per_job_output_path("s3://b/run", "") == "s3://b/run"  # only shards (runtime.*) swept: one output
+
+
+def test_shard_sweeps_do_not_name_an_output_folder():
+    argv = hydra_argv(["-m", "runtime.shard_index=range(0,4)", "runtime.num_shards=4", "sampling.temperature=0,0.7",
+                       "output.path=a,b"])
+    excluded = next(a for a in argv if a.startswith("hydra.job.config.override_dirname.exclude_keys="))
+    keys = set(excluded.split("=", 1)[1].strip("[]").split(","))
+    assert keys == {"runtime.shard_index", "runtime.num_shards", "output.path"}
 
 
 @pytest.mark.slow
