@@ -95,6 +95,15 @@ def test_bar_is_visible_on_a_terminal_without_a_size():
         assert isinstance(progress, BarProgress)
         progress.update(5, EngineStats())
         progress.close()
-    shown = os.read(master, 65536).decode()
+    chunks = []
+    while True:  # everything written before the slave side closed; a single read may return only part
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the slave side is closed and drained
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
     os.close(master)
+    shown = b"".join(chunks).decode()
     assert "5/10" in shown and "gen " in shown
