@@ -185,6 +185,11 @@ class JobConfig:
     resolved: dict  # the whole resolved config as plain data (recorded in _metrics.json)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model runs in: `model.dtype` with `auto` resolved for `engine.device`."""
+        return resolve_dtype(self.model.dtype, self.engine.device)
+
     def fingerprint(self, model_path: str) -> dict[str, Any]:
         """What determines the output rows: model identity, sampling, prompt/template settings, output schema.
 

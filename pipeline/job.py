@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import pyarrow as pa
 
 from pipeline import __version__
-from pipeline.config import JobConfig, resolve_dtype
+from pipeline.config import JobConfig
 from pipeline.engine.request import Request, Result
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
@@ -66,7 +66,7 @@ def _check_kv_budget(cfg: JobConfig, model_path: str) -> None:
     from pipeline.perf.roofline import kv_bytes_per_token
 
     shape, _ = read_model(model_path)
-    block = kv_bytes_per_token(shape, resolve_dtype(cfg.model.dtype, cfg.engine.device), cfg.engine.tensor_parallel) * cfg.engine.block_size
+    block = kv_bytes_per_token(shape, cfg.model_dtype, cfg.engine.tensor_parallel) * cfg.engine.block_size
     if cfg.engine.kv_cache_bytes < block:
         raise JobError(f"engine.kv_cache_memory={cfg.engine.kv_cache_memory!r} is less than one KV cache block of "
                        f"this model ({block:,} bytes for engine.block_size={cfg.engine.block_size} tokens)")
@@ -84,7 +84,7 @@ def _model_options(cfg: JobConfig, quant: QuantChoice | None = None) -> dict[str
         scheme, rows, head = quant.scheme, quant.w8a8_rows, quant.lm_head if head == "auto" else head
     elif head == "auto":
         head = "bf16" if _bf16_native(cfg.engine.device) else "int8"
-    return {"dtype": getattr(torch, resolve_dtype(cfg.model.dtype, cfg.engine.device)), "device": cfg.engine.device, "quant": scheme,
+    return {"dtype": getattr(torch, cfg.model_dtype), "device": cfg.engine.device, "quant": scheme,
             "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel,
             "w8a8_rows": rows, "quant_lm_head": head}
 
@@ -121,8 +121,7 @@ def _draft_model(cfg: JobConfig, model_path: str, loaded: Any) -> Any:
         return None
     draft = spec.draft
     path = draft.path or model_path
-    model_dtype = resolve_dtype(cfg.model.dtype, cfg.engine.device)
-    if path == model_path and (draft.dtype, draft.quant) == (model_dtype, cfg.model.quant) \
+    if path == model_path and (draft.dtype, draft.quant) == (cfg.model_dtype, cfg.model.quant) \
             and cfg.engine.tensor_parallel == 1:
         return loaded.model  # drafting with the model itself: exact, no second copy (checks, not speed)
     import torch
@@ -309,7 +308,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                                                and options["w8a8_rows"] <= cfg.engine.max_batch_size)
         # W8A8 steps: int8 weights and the int8 peak (where the hardware profile has one)
         int8 = int8 and "int8" in hardware.flops
-        roof = Roofline.of(loaded.config, hardware, resolve_dtype(cfg.model.dtype, cfg.engine.device), tp=cfg.engine.tensor_parallel,
+        roof = Roofline.of(loaded.config, hardware, cfg.model_dtype, tp=cfg.engine.tensor_parallel,
                            weights="int8" if int8 else None, compute_dtype="int8" if int8 else None)
     recorder = RunRecorder(roof, interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
@@ -369,7 +368,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                                        if stats.model_time else 0.0),
         "engine": stats.as_dict(),
         "model": {"name": model_name, "path": model_path, "loaded_name": loaded.name,
-                  "dtype": resolve_dtype(cfg.model.dtype, cfg.engine.device), "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
+                  "dtype": cfg.model_dtype, "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
                   "quant_lm_head": options["quant_lm_head"],
                   "quant_auto": None if quant is None else quant.as_dict(),
                   "kernel_steps": dict(getattr(loaded.model.kernel_choice, "steps", {}))},
