@@ -29,6 +29,7 @@ def parse_bytes(value: str | int, key: str = "kv_cache_memory") -> int:
 
 
 AUTO_CPU_KV_BYTES = 2**30
+COMPILE_CHOICES = ("auto", "on", "off")
 
 
 @dataclass
@@ -50,6 +51,8 @@ class EngineConfig:
     seed: int = 0  # seeds the generators of requests that carry no seed of their own
     tensor_parallel: int = 1  # ranks the model is split across (pipeline/parallel/runner.py)
     cuda_graphs: bool = True  # CUDA: replay captured decode steps (docs/gpu.md); no effect on CPU
+    # CPU: torch.compile the decoder layers (fused elementwise work): auto (quantized models), on, off
+    compile: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA, kv_cache_memory=auto: share of device memory the job may use
 
     def __post_init__(self) -> None:
@@ -61,6 +64,8 @@ class EngineConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"engine.{key} must be an integer >= 1 or null, got {value!r}")
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"engine.compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"engine.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         util = self.gpu_memory_utilization

@@ -24,6 +24,7 @@ from pipeline.engine.sequence import Sequence, Status, sample_seed
 from pipeline.engine.speculative import make_proposer
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.timing import StepClock
+from pipeline.model.llama import LlamaModel
 
 
 class Engine:
@@ -47,6 +48,8 @@ class Engine:
                     "load it on the GPU instead (load_model(..., device=...), or engine.device in a job)"
                 )
             self.model.to(self.device)
+        if compile_layers_wanted(config.compile, self.model, self.device) and not self.model.compiled:
+            self.model.compile_layers()
         block_bytes = kv_bytes_per_block(self.model, config.block_size)
         max_pos = self.model_config.max_position_embeddings
         num_blocks = self._kv_bytes(config, block_bytes, max_pos) // block_bytes
@@ -483,3 +486,12 @@ def _adjusts_logits(seq: Sequence) -> bool:
     sequences do not speculate."""
     sp = seq.sampling
     return seq.matcher is not None or bool(sp.logit_bias) or sp.min_tokens > 0 or sp.penalized
+
+
+def compile_layers_wanted(setting: str, model: LlamaModel, device: torch.device) -> bool:
+    """engine.compile resolved: only on CPU (the GPU path has its own kernels and CUDA graphs); `auto`
+    compiles quantized single-rank models, whose activation quantization and scale epilogues are most of
+    a CPU step outside the matmuls, and leaves the exact float32 path eager."""
+    if setting == "off" or device.type != "cpu":
+        return False
+    return setting == "on" or (model.kernel_choice is not None and model.tp.size == 1)

@@ -2,10 +2,17 @@
 
 The model computes q/k/v and applies RoPE; where keys and values live (the engine's paged block pool,
 or the tests' contiguous per-sequence cache in tests/reference.py) is the backend's business.
+
+The model reaches its backend through one opaque operator, `pipeline::attend`, bound to a backend for the
+length of a forward pass (`bound_backend`). Why an operator: `torch.compile` then treats attention (cache
+writes, block tables, Python bookkeeping) as one call it does not trace, so the rest of a decoder layer
+compiles into one graph that every layer shares, with the layer index as a tensor, not a constant.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -15,6 +22,33 @@ class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k/v [T, Hkv, D] for `layer` and return attention output [T, Hq, D]."""
         ...
+
+
+_bound: list[AttentionBackend] = []  # the backend of the forward pass in progress (innermost last)
+
+
+@contextmanager
+def bound_backend(backend: AttentionBackend) -> Iterator[None]:
+    """Route `attend` calls to `backend` while the block runs."""
+    _bound.append(backend)
+    try:
+        yield
+    finally:
+        _bound.pop()
+
+
+@torch.library.custom_op("pipeline::attend", mutates_args=())
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    """The bound backend's attention for layer `layer` (a 0-d int64 tensor): q [T, Hq, D] -> [T, Hq, D],
+    contiguous (the layout compiled callers are built for)."""
+    if not _bound:
+        raise RuntimeError("attention called outside a forward pass: no backend is bound (bound_backend)")
+    return _bound[-1].attend(int(layer), q, k, v).contiguous()
+
+
+@attend.register_fake
+def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape)
 
 
 def causal_attention(

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.attention import AttentionBackend
+from pipeline.model.attention import AttentionBackend, attend, bound_backend
 from pipeline.model.config import ModelConfig
 from pipeline.model.layers import LMHead, ParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from pipeline.parallel.group import SINGLE, TPGroup
@@ -27,6 +27,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.layer = layer
+        # a tensor, so one compiled layer graph serves every layer (an int would be a per-layer constant);
+        # on the CPU whatever the model's device, so reading it never waits for a GPU
+        self.register_buffer("layer_index", torch.tensor(layer, device="cpu"), persistent=False)
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
@@ -41,7 +44,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend):
+    def forward(self, x, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -50,7 +53,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos_sin)
-        out = attn.attend(self.layer, q, k, v)
+        out = attend(q, k, v, self.layer_index)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -74,9 +77,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, dtype)
 
-    def forward(self, x, cos_sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
+    def forward(self, x, cos_sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One decoder layer: a plain function of the module, so one compiled graph serves every layer."""
+    return layer(x, cos_sin)
 
 
 # Checkpoint names (Hugging Face convention) of the parts fused into one module, with their part index.
@@ -108,6 +116,22 @@ class LlamaModel(nn.Module):
         self.scale = cfg.head_dim**-0.5
         # Set by pipeline.model.quant.attach_w8a8: picks each step's matmul kernel and counts its steps.
         self.kernel_choice = None
+        self.run_layer = _run_layer  # or its compiled form (`compile_layers`)
+        self.compiled = False
+
+    def compile_layers(self) -> None:
+        """Run every decoder layer through one `torch.compile`d graph (dynamic token count).
+
+        What it buys on CPU: the norms, RoPE, SiLU, W8A8 activation quantization and scale epilogues of a
+        layer fuse into a few generated loops instead of ~40 separate passes over the activations. The
+        fused reductions may round differently from the eager ones (float32 last bits), so the exact path
+        stays eager. Attention is the opaque `pipeline::attend` operator; the first steps of each new
+        shape class (one token, many) pay the compilation, ~10 s on 2 cores.
+        """
+        if self.tp.size > 1:
+            raise ValueError("compiled layers need tensor_parallel=1 (collectives are not traced)")
+        self.run_layer = torch.compile(_run_layer, dynamic=True)
+        self.compiled = True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -115,8 +139,9 @@ class LlamaModel(nn.Module):
             self.kernel_choice.record(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope(positions)
-        for layer in self.layers:
-            x = layer(x, cos_sin, attn)
+        with bound_backend(attn):
+            for layer in self.layers:
+                x = self.run_layer(layer, x, cos_sin)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -298,3 +298,20 @@ def test_prompt_logprobs_match_a_plain_forward_pass(tiny):
             for token, value in entry.items():
                 assert value == pytest.approx(float(ref[p - 1, token]), abs=1e-4)
     assert engine.stats.cached_tokens == 0  # prompt logprobs need every position computed
+
+
+def test_compiled_layers_match_eager_and_auto_keeps_float_eager():
+    from tests.engine.conftest import build_tiny
+
+    fresh = build_tiny(seed=3)  # its own model: compiling changes it for good
+    prompts = random_prompts(6, 2, 40, seed=4)
+    sp = SamplingParams(max_tokens=8)
+    requests = [Request(i, p, sp) for i, p in enumerate(prompts)]
+    reference = dict(enumerate(greedy_decode(fresh.model, prompts, 8, stop_token_ids=(EOS,))))
+    _, engine = run(fresh, [], compile="auto")
+    assert not fresh.model.compiled  # exact float32 stays eager unless asked
+    results, _ = run(fresh, requests, compile="on", max_batched_tokens=64)
+    assert fresh.model.compiled
+    assert_only_near_ties(reference, {i: results[i, 0].token_ids for i in range(len(prompts))}, NEAR_TIE)
+    with pytest.raises(ValueError, match="engine.compile"):
+        EngineConfig(compile="yes")
