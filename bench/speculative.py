@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 import torch
 
+from kernels.wq_cpu import native_bf16
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -125,7 +126,7 @@ class FixedGuesses:
 
 def check_cost(loaded, batch: int, k: int, context: int = 128, steps: int = 6) -> tuple[float, float]:
     """Seconds per step for `batch` decoding sequences: plain, and checking k guesses each."""
-    spec = SpeculativeConfig(method="ngram", k=k, max_batch=batch)
+    spec = SpeculativeConfig(method="ngram", k=k, max_batch=batch, min_gain=0)  # gate always open
     engine = Engine(loaded, EngineConfig(kv_cache_memory="256MiB", max_batch_size=batch), speculative=spec)
     sp = SamplingParams(max_tokens=4 * steps * (k + 2), ignore_eos=True)
     for i in range(batch):
@@ -165,13 +166,16 @@ def main() -> None:
     parser.add_argument("--batch1", type=int, default=8, help="prompts run one at a time")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-batch", type=int, default=2, help="speculative.max_batch")
+    parser.add_argument("--quant", default="none", help="the model's model.quant (none, int8, int4, gguf, w8a8)")
+    parser.add_argument("--max-batch", type=int, default=256, help="speculative.max_batch")
+    parser.add_argument("--min-gain", type=float, default=1.1, help="speculative.min_gain")
     parser.add_argument("--adaptive-k", action="store_true", help="speculative.adaptive_k")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft"])
     parser.add_argument("--cost-batches", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quant=args.quant, w8a8_rows=None if args.quant == "w8a8" else 16,
+                        quant_lm_head="bf16" if native_bf16() else "int8")
     draft = None
     if "draft" in args.methods:
         draft = load_model(args.draft or args.model or default_model_path(), quant=args.draft_quant).model
@@ -185,7 +189,7 @@ def main() -> None:
     alone = EngineConfig(kv_cache_memory="256MiB", max_batch_size=1)
     print(f"model {loaded.name}; draft {'same checkpoint' if args.draft is None else args.draft} "
           f"quant={args.draft_quant}; k={args.k}, adaptive_k={args.adaptive_k}, "
-          f"speculative.max_batch={args.max_batch}; "
+          f"speculative.max_batch={args.max_batch}, min_gain={args.min_gain}; model.quant={args.quant}; "
           f"{args.rows} rows at batch {args.batch}; max_tokens={args.max_tokens}")
     header = (f"{'workload':<11} {'method':<6} {'b1 tok/s':>9} {'x':>5} {'accept':>7} {'job s':>7} {'x':>5} {'tail s':>7} "
               f"{'x':>5} {'sat ms/step':>11} {'accept':>7} {'acc/chk':>7} {'same':>7}")
@@ -196,7 +200,8 @@ def main() -> None:
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
         base: dict = {}
         for method in args.methods:
-            spec = SpeculativeConfig(method=method, k=args.k, max_batch=args.max_batch, adaptive_k=args.adaptive_k)
+            spec = SpeculativeConfig(method=method, k=args.k, max_batch=args.max_batch, adaptive_k=args.adaptive_k,
+                                     min_gain=args.min_gain)
 
             def make_engine(config=alone, spec=spec):
                 return Engine(loaded, config, speculative=spec, draft_model=draft)

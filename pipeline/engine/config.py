@@ -122,11 +122,10 @@ class DraftConfig:
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses up to `k` tokens, the model verifies them in one step.
 
-    Only while at most `max_batch` sequences run: there a step is bound by reading the weights, so
-    verifying k + 1 positions costs about as much as one; a fuller batch is compute bound and gains nothing.
-    The default 2 suits float32 on a CPU (ridge about 7 positions per step, docs/performance.md); the
-    rule is max_batch ~ ridge positions / (k + 1), ridge positions ~ ridge point (FLOP/byte) x weight
-    bytes per parameter / 2 (docs/engine.md).
+    Per step, only where it pays (`pipeline.engine.spec_gate`): checking k + 1 positions per sequence
+    costs little while a step is bound by reading the weights and up to k + 1 times a plain step where
+    it is compute bound, so the engine speculates when 1 + (share of guesses accepted) x k exceeds the
+    measured cost ratio by `min_gain`; never with more than `max_batch` sequences running.
     `adaptive_k` lets each sequence propose one more token after a fully accepted guess and one fewer
     (down to 1) after a fully rejected one.
     """
@@ -135,7 +134,8 @@ class SpeculativeConfig:
     k: int = 4
     ngram_min: int = 2  # a 1-token match guesses too often in free text: every guess costs a position
     ngram_max: int = 4
-    max_batch: int = 2
+    max_batch: int = 256
+    min_gain: float = 1.1  # speculate when it yields at least this many times the tokens per second; 0: always
     adaptive_k: bool = False
     draft: DraftConfig = field(default_factory=DraftConfig)
 
@@ -152,5 +152,7 @@ class SpeculativeConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(
                 f"speculative.ngram_min={self.ngram_min} must not exceed speculative.ngram_max={self.ngram_max}")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, int | float) or self.min_gain < 0:
+            raise ValueError(f"speculative.min_gain must be a number >= 0, got {self.min_gain!r}")
         if not isinstance(self.adaptive_k, bool):
             raise ValueError(f"speculative.adaptive_k must be true or false, got {self.adaptive_k!r}")

@@ -7,6 +7,7 @@ parameters, empty or too long prompts, unknown token ids) come back as `finish_r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -21,6 +22,7 @@ from pipeline.engine.runner import PromptSpan, Runner, RunnerFactory, build_batc
 from pipeline.engine.sampler import Allowed, Sampled, sample, verify
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
+from pipeline.engine.spec_gate import SpeculationGate
 from pipeline.engine.speculative import make_proposer
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.timing import StepClock
@@ -79,6 +81,7 @@ class Engine:
         self.speculative = speculative or SpeculativeConfig()
         self.proposer = make_proposer(self.speculative, draft_model, self.model_config.vocab_size, num_blocks,
                                       config.block_size, self.device)
+        self.gate = SpeculationGate(self.speculative)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._constraints: Constraints | None = None  # built at the first constrained request
         self.stats = EngineStats()
@@ -219,7 +222,9 @@ class Engine:
         stats.held = self.scheduler.held
         stats.evictions = self.kv.evictions
         t5 = self._clock.stamp()
-        stats.model_time += self._clock.seconds(t1, t2)
+        model_seconds = self._clock.seconds(t1, t2)
+        stats.model_time += model_seconds
+        self.gate.observe_step(batch.num_tokens, model_seconds)
         stats.sampling_time += self._clock.seconds(t3, t4)
         stats.schedule_time += (t1.wall - t0.wall) + (t3.wall - t2.wall) + (t5.wall - t4.wall)  # host work
         stats.total_time += t5.wall - t0.wall
@@ -360,18 +365,18 @@ class Engine:
 
     # -- speculative decoding -------------------------------------------------------------------------
     def _propose(self) -> None:
-        """Give decoding sequences guesses to check in this step, while the batch is small enough that
-        checking k + 1 positions costs about what one does (speculative.max_batch)."""
+        """Give decoding sequences guesses to check in this step, as many as the gate says pay."""
         spec = self.speculative
         running = self.scheduler.running
         if self.proposer is None:
             return
         for seq in running:  # guesses left over from a step that had no budget for them
             seq.draft = []
-        if len(running) > spec.max_batch:
-            return
+        allowed = self.gate.speculating(len(running))
         seqs, ks = [], []
         for seq in running:
+            if len(seqs) == allowed:
+                break
             if seq.num_uncomputed != 1 or seq.num_children or _adjusts_logits(seq):
                 continue
             seq.spec_k = seq.spec_k or spec.k
@@ -379,7 +384,12 @@ class Engine:
             if min(seq.spec_k, room) > 0:
                 seqs.append(seq)
                 ks.append(min(seq.spec_k, room))
-        for seq, guess in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+        if not seqs:
+            return
+        start = time.perf_counter()
+        guesses = self.proposer.propose(seqs, ks)
+        self.gate.observe_proposal(len(seqs), time.perf_counter() - start)
+        for seq, guess in zip(seqs, guesses):
             seq.draft = guess
 
     def _emit(self, seq: Sequence, outcome: Sampled) -> bool:
@@ -398,6 +408,7 @@ class Engine:
             stats.spec_checks += 1
             stats.spec_proposed += guessed
             stats.spec_accepted += accepted
+            self.gate.observe_check(guessed, accepted)
             if self.speculative.adaptive_k:
                 step = 1 if accepted == guessed else -1 if accepted == 0 else 0
                 seq.spec_k = max(1, min(self.speculative.k, seq.spec_k + step))

@@ -77,9 +77,9 @@ def varied_requests(tiny, count: int = 12) -> list[Request]:
 
 
 SPECS = {
-    "ngram": lambda tiny: (SpeculativeConfig(method="ngram", k=4, ngram_min=1, max_batch=64), None),
-    "draft-self": lambda tiny: (SpeculativeConfig(method="draft", k=3, max_batch=64), tiny.model),
-    "draft-noisy": lambda tiny: (SpeculativeConfig(method="draft", k=5, max_batch=64, adaptive_k=True),
+    "ngram": lambda tiny: (SpeculativeConfig(method="ngram", k=4, ngram_min=1, min_gain=0), None),
+    "draft-self": lambda tiny: (SpeculativeConfig(method="draft", k=3, min_gain=0), tiny.model),
+    "draft-noisy": lambda tiny: (SpeculativeConfig(method="draft", k=5, min_gain=0, adaptive_k=True),
                                  perturbed(tiny, 0.05)),
 }
 
@@ -118,7 +118,7 @@ def test_logprobs_of_accepted_tokens_equal_plain_decoding(tiny):
     requests = [Request(i, p + p, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3))
                 for i, p in enumerate(random_prompts(4, 5, 20, seed=22))]
     reference, _ = generate(tiny, requests)
-    got, engine = generate(tiny, requests, SpeculativeConfig(method="draft", max_batch=64), tiny.model)
+    got, engine = generate(tiny, requests, SpeculativeConfig(method="draft", min_gain=0), tiny.model)
     assert engine.stats.spec_accepted > 0
     for rid, ref in reference.items():
         assert got[rid].token_ids == ref.token_ids
@@ -131,6 +131,23 @@ def test_regime_threshold_turns_speculation_off_for_a_full_batch(tiny):
     requests = [Request(i, p, SamplingParams(max_tokens=6)) for i, p in enumerate(random_prompts(8, 3, 10))]
     _, engine = generate(tiny, requests, SpeculativeConfig(method="draft", max_batch=7), tiny.model)
     assert engine.stats.spec_steps == 0  # all 8 ran together the whole time
+
+
+def test_closed_gate_speculates_only_to_learn_and_probe(tiny):
+    """A gain no speculation can reach: guesses are checked until the gate has learnt the acceptance
+    rate (MIN_GUESSES), then only by one sequence every PROBE_EVERY steps; tokens are unchanged."""
+    from pipeline.engine.spec_gate import MIN_GUESSES, PROBE_EVERY
+
+    k, batch = 4, 8
+    requests = [Request(i, p, SamplingParams(max_tokens=60, ignore_eos=True))
+                for i, p in enumerate(random_prompts(batch, 3, 10, seed=30))]
+    reference, _ = generate(tiny, requests)
+    got, engine = generate(tiny, requests, SpeculativeConfig(method="draft", k=k, min_gain=1e6), tiny.model)
+    assert all(got[i].token_ids == reference[i].token_ids for i in reference)
+    stats = engine.stats
+    learning = MIN_GUESSES + k * batch  # the step that reaches MIN_GUESSES may check a whole batch
+    assert MIN_GUESSES <= stats.spec_proposed <= learning + k * (stats.steps // PROBE_EVERY + 1)
+    assert stats.spec_steps < stats.steps // 2
 
 
 def test_ngram_lookup_prefers_longest_then_latest_match():
@@ -268,7 +285,7 @@ def test_kv_pool_whole_after_random_rejections(tiny, seed, num_blocks, k, prefix
               "prefix_caching": prefix_caching}
     requests = [Request(i, p[: 16 * min(num_blocks, 6) - 21], sp) for i, p in enumerate(prompts)]
     reference, _ = generate(tiny, requests, **config)
-    engine = Engine(tiny, EngineConfig(**config), speculative=SpeculativeConfig(method="ngram", k=k, max_batch=64))
+    engine = Engine(tiny, EngineConfig(**config), speculative=SpeculativeConfig(method="ngram", k=k, min_gain=0))
     oracle = CorruptedOracle({r.id: (len(r.prompt_token_ids), reference[r.id].token_ids) for r in requests}, seed)
     engine.proposer = oracle
     got = {r.id: r for r in engine.generate(requests)}
@@ -301,7 +318,7 @@ def test_accepted_guesses_counted_exactly_when_none_are_cut(tiny):
     prompts = random_prompts(4, 3, 30, seed=24)
     requests = [Request(i, p, SamplingParams(max_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)]
     reference, _ = generate(tiny, requests)
-    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB"), speculative=SpeculativeConfig(k=5, max_batch=64))
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB"), speculative=SpeculativeConfig(k=5, min_gain=0))
     engine.proposer = oracle = CorruptedOracle({i: (len(p), reference[i].token_ids) for i, p in enumerate(prompts)}, 3)
     got = {r.id: r for r in engine.generate(requests)}
     assert all(got[i].token_ids == reference[i].token_ids for i in reference)
@@ -323,7 +340,7 @@ def test_smollm2_greedy_identical(smollm2_path, method):
            SamplingParams(max_tokens=32, logprobs=2), SamplingParams(max_tokens=6, logprobs=2),
            SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)]
     requests = [Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
-    spec = SpeculativeConfig(method=method, max_batch=64)
+    spec = SpeculativeConfig(method=method, min_gain=0)
     draft = loaded.model if method == "draft" else None
     reference, _ = generate(loaded, requests, kv_cache_memory="64MiB")
     got, engine = generate(loaded, requests, spec, draft, kv_cache_memory="64MiB")
@@ -337,7 +354,7 @@ def engine_pairs(tiny, prompt: list[int], sp: SamplingParams, n: int) -> dict:
     """Counts of the first two tokens of n seeded requests run with speculation (the model drafting for
     itself; each request's second token comes out of a check of one guess)."""
     engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size=64, max_batched_tokens=1024),
-                    speculative=SpeculativeConfig(method="draft", k=1, max_batch=64), draft_model=tiny.model)
+                    speculative=SpeculativeConfig(method="draft", k=1, min_gain=0), draft_model=tiny.model)
     requests = (Request(i, prompt, SamplingParams(**{**vars(sp), "seed": i})) for i in range(n))
     counts: dict[tuple, int] = {}
     for r in engine.generate(requests):
