@@ -5,9 +5,11 @@ Where a step is bound by reading the weights (small b) that costs little; where 
 (large b on a CPU) it costs up to k + 1 times as much. It pays when the tokens it yields per sequence,
 1 + rate x k (rate: the share of guesses accepted so far), exceed that cost ratio by `min_gain`.
 
-The cost of a step is fitted online as seconds = a + c x positions (weighted least squares over recent
-steps, old ones decaying), so it follows this machine, model and quantization without a table; the
-proposer's own time per sequence (a draft model's steps) is added to the checking side. Until enough
+The cost of a step is measured, not modelled: recent steps' seconds are averaged per size class of
+positions (powers of two, old steps decaying) and interpolated linearly between classes, so it follows
+this machine, model and quantization, including where a CPU turns compute bound (a single straight line
+through decode and prefill steps misjudged that by 30% on SmolLM2). The proposer's own time per sequence
+(a draft model's steps) is added to the checking side. Until enough
 guesses were checked to know the rate, every step may speculate (learning it); while the gate is closed,
 every `PROBE_EVERY`th step lets `PROBE_SEQS` sequences speculate, so the rate keeps following the
 workload at little cost.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from pipeline.engine.config import SpeculativeConfig
 
-DECAY = 0.97  # weight kept by older observations at each new one (a memory of ~30 steps)
+DECAY = 0.97  # weight kept by a size class's older steps at each new one (a memory of ~30 steps)
 MIN_GUESSES = 64  # checked guesses before the acceptance rate is trusted
 PROBE_EVERY = 16
 PROBE_SEQS = 1
@@ -28,14 +30,14 @@ class SpeculationGate:
         self.k = spec.k
         self.max_batch = spec.max_batch
         self.min_gain = spec.min_gain
-        self._sums = [0.0] * 5  # weighted n, sum x, sum y, sum xx, sum xy of (positions, seconds)
+        self._classes: dict[int, list[float]] = {}  # size class -> decayed [weight, positions, seconds]
         self.proposed = self.accepted = 0
         self._proposal_seconds = self._proposal_seqs = 0.0
         self._closed_steps = 0
 
     def observe_step(self, positions: int, seconds: float) -> None:
-        n, sx, sy, sxx, sxy = (s * DECAY for s in self._sums)
-        self._sums = [n + 1, sx + positions, sy + seconds, sxx + positions * positions, sxy + positions * seconds]
+        sums = self._classes.setdefault(positions.bit_length(), [0.0, 0.0, 0.0])
+        sums[:] = [sums[0] * DECAY + 1, sums[1] * DECAY + positions, sums[2] * DECAY + seconds]
 
     def observe_proposal(self, seqs: int, seconds: float) -> None:
         self._proposal_seqs = self._proposal_seqs * DECAY + seqs
@@ -46,13 +48,15 @@ class SpeculationGate:
         self.accepted += accepted
 
     def step_seconds(self, positions: int) -> float | None:
-        """The fitted cost of a step of `positions` tokens; None until steps of two sizes were seen."""
-        n, sx, sy, sxx, sxy = self._sums
-        spread = n * sxx - sx * sx
-        if n < 2 or spread <= 1e-9 * max(1.0, sxx * n):
+        """The measured cost of a step of `positions` tokens, interpolated between the two nearest size
+        classes seen (extrapolated from the last two beyond them); None until two classes were seen."""
+        points = sorted((p / w, t / w) for w, p, t in self._classes.values())
+        if len(points) < 2:
             return None
-        slope = max(0.0, (n * sxy - sx * sy) / spread)
-        return max(1e-9, (sy - slope * sx) / n) + slope * positions
+        i = next((i for i, (p, _) in enumerate(points[1:-1], 1) if p >= positions), len(points) - 1)
+        (p0, t0), (p1, t1) = points[i - 1], points[i]
+        slope = max(0.0, (t1 - t0) / (p1 - p0)) if p1 > p0 else 0.0
+        return max(1e-9, t0 + slope * (positions - p0))
 
     def worth_it(self, batch: int) -> bool:
         """Whether all `batch` running sequences checking k guesses yields more tokens per second."""

@@ -26,6 +26,17 @@ def test_fit_recovers_a_linear_step_cost():
     assert gate.step_seconds(1) == pytest.approx(0.052)
 
 
+def test_costs_that_bend_are_interpolated_not_fitted_by_one_line():
+    """SmolLM2 float32 on 2 cores: cheap while bandwidth bound, then ~4.5 ms per position."""
+    gate = SpeculationGate(SpeculativeConfig(method="ngram"))
+    measured = {1: 0.063, 4: 0.102, 16: 0.125, 80: 0.415, 600: 2.7}
+    for positions, seconds in measured.items():
+        gate.observe_step(positions, seconds)
+    assert all(gate.step_seconds(p) == pytest.approx(t) for p, t in measured.items())
+    assert gate.step_seconds(48) == pytest.approx((0.125 + 0.415) / 2)
+    assert gate.step_seconds(80) / gate.step_seconds(16) == pytest.approx(3.32, abs=0.01)
+
+
 def test_pays_where_accepted_tokens_beat_the_cost_ratio():
     gate = gate_with_costs(0.08, 0.004)  # 16 seqs: 0.144 s plain, 0.40 s checking 4 guesses each (2.8x)
     assert gate.worth_it(16)  # rate still unknown: speculate to learn it
