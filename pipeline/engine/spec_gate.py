@@ -10,7 +10,8 @@ positions (powers of two, old steps decaying) and interpolated linearly between 
 this machine, model and quantization, including where a CPU turns compute bound (a single straight line
 through decode and prefill steps misjudged that by 30% on SmolLM2). The proposer's own time per sequence
 (a draft model's steps) is added to the checking side. Until enough
-guesses were checked to know the rate, every step may speculate (learning it); while the gate is closed,
+guesses were checked to know the rate, every step may speculate (learning it); then, until a plain step of
+the batch's size class was seen, none does (learning its cost). While the gate is closed,
 every `PROBE_EVERY`th step lets `PROBE_SEQS` sequences speculate, so the rate keeps following the
 workload at little cost.
 """
@@ -60,9 +61,11 @@ class SpeculationGate:
 
     def worth_it(self, batch: int) -> bool:
         """Whether all `batch` running sequences checking k guesses yields more tokens per second."""
+        if self.proposed < MIN_GUESSES:
+            return True  # learning the rate
         plain, check = self.step_seconds(batch), self.step_seconds(batch * (self.k + 1))
-        if plain is None or check is None or self.proposed < MIN_GUESSES:
-            return True  # learning the rate and the costs
+        if plain is None or check is None:
+            return False  # a plain step will show what one costs
         if self._proposal_seqs:
             check += batch * self._proposal_seconds / self._proposal_seqs
         tokens = 1 + self.accepted / self.proposed * self.k

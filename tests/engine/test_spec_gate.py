@@ -38,6 +38,11 @@ def test_costs_that_bend_are_interpolated_not_fitted_by_one_line():
 
 
 def test_pays_where_accepted_tokens_beat_the_cost_ratio():
+    unknown = SpeculationGate(SpeculativeConfig(method="ngram", k=4))
+    unknown.observe_step(80, 0.4)
+    assert unknown.worth_it(16)  # rate still unknown: speculate to learn it
+    unknown.observe_check(MIN_GUESSES, MIN_GUESSES)
+    assert not unknown.worth_it(16)  # rate known, a plain step's cost not: take one to see
     gate = gate_with_costs(0.08, 0.004)  # 16 seqs: 0.144 s plain, 0.40 s checking 4 guesses each (2.8x)
     assert gate.worth_it(16)  # rate still unknown: speculate to learn it
     gate.observe_check(MIN_GUESSES, int(MIN_GUESSES * 0.75))  # 1 + 0.75 x 4 = 4 tokens per check
