@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -30,7 +29,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import default_model_path, load_model
-from pipeline.perf.probe import probe
+from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile, forward_bytes, forward_flops
 
@@ -90,16 +89,6 @@ def make_distinct_prompts(tokenizer, count: int) -> list[list[int]]:
         messages = [{"role": "user", "content": f"Request {i}: {task}"}]
         prompts.append(tokenizer.encode(tokenizer.apply_chat_template(messages)))
     return prompts
-
-
-def cpu_flags() -> str:
-    """The CPU's vector / matrix extensions that decide which kernels are fast."""
-    try:
-        words = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return "?"
-    keep = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
-    return " ".join(sorted({w for w in words if w in keep}))
 
 
 def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int | None):

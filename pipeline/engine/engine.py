@@ -224,7 +224,8 @@ class Engine:
         t5 = self._clock.stamp()
         model_seconds = self._clock.seconds(t1, t2)
         stats.model_time += model_seconds
-        self.gate.observe_step(batch.num_tokens, model_seconds)
+        if stats.steps > 1:  # the first step also pays one-time costs (first touch of the KV pools)
+            self.gate.observe_step(batch.num_tokens, model_seconds)
         stats.sampling_time += self._clock.seconds(t3, t4)
         stats.schedule_time += (t1.wall - t0.wall) + (t3.wall - t2.wall) + (t5.wall - t4.wall)  # host work
         stats.total_time += t5.wall - t0.wall

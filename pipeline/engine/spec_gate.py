@@ -1,19 +1,19 @@
-"""When speculation pays, per step: a running cost model of a step against the measured acceptance rate.
+"""When speculation pays, per step: the measured cost of longer steps against the measured acceptance.
 
-Checking k guesses for each of b running sequences makes the step b (k + 1) positions long instead of b.
-Where a step is bound by reading the weights (small b) that costs little; where it is compute bound
-(large b on a CPU) it costs up to k + 1 times as much. It pays when the tokens it yields per sequence,
-1 + rate x k (rate: the share of guesses accepted so far), exceed that cost ratio by `min_gain`.
+A sequence asked for guesses gets g of them on average (a proposer may find none) and the check keeps
+a of them on average, so it yields 1 + a tokens instead of 1, in a step g positions longer per sequence.
+Where a step is bound by reading the weights (few positions) the longer step costs little; where it is
+compute bound (many positions on a CPU) it costs in proportion. Speculating pays when
+(1 + a) x cost(B) >= min_gain x cost(B x (1 + g)) for the B running sequences.
 
 The cost of a step is measured, not modelled: recent steps' seconds are averaged per size class of
 positions (powers of two, old steps decaying) and interpolated linearly between classes, so it follows
 this machine, model and quantization, including where a CPU turns compute bound (a single straight line
 through decode and prefill steps misjudged that by 30% on SmolLM2). The proposer's own time per sequence
-(a draft model's steps) is added to the checking side. Until enough
-guesses were checked to know the rate, every step may speculate (learning it); then, until a plain step of
-the batch's size class was seen, none does (learning its cost). While the gate is closed,
-every `PROBE_EVERY`th step lets `PROBE_SEQS` sequences speculate, so the rate keeps following the
-workload at little cost.
+(a draft model's steps) is added to the checking side. Until enough guesses were checked to know a and
+g, every step may speculate (learning them); then, until a plain step of the batch's size class was
+seen, none does (learning its cost). While the gate is closed, every `PROBE_EVERY`th step lets
+`PROBE_SEQS` sequences speculate, so a and g keep following the workload at little cost.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class SpeculationGate:
         self.max_batch = spec.max_batch
         self.min_gain = spec.min_gain
         self._classes: dict[int, list[float]] = {}  # size class -> decayed [weight, positions, seconds]
-        self.proposed = self.accepted = 0
+        self.offered = self.proposed = self.accepted = 0  # sequences asked, guesses made, guesses kept
         self._proposal_seconds = self._proposal_seqs = 0.0
         self._closed_steps = 0
 
@@ -41,6 +41,7 @@ class SpeculationGate:
         sums[:] = [sums[0] * DECAY + 1, sums[1] * DECAY + positions, sums[2] * DECAY + seconds]
 
     def observe_proposal(self, seqs: int, seconds: float) -> None:
+        self.offered += seqs
         self._proposal_seqs = self._proposal_seqs * DECAY + seqs
         self._proposal_seconds = self._proposal_seconds * DECAY + seconds
 
@@ -60,16 +61,16 @@ class SpeculationGate:
         return max(1e-9, t0 + slope * (positions - p0))
 
     def worth_it(self, batch: int) -> bool:
-        """Whether all `batch` running sequences checking k guesses yields more tokens per second."""
+        """Whether letting all `batch` running sequences speculate yields more tokens per second."""
         if self.proposed < MIN_GUESSES:
-            return True  # learning the rate
-        plain, check = self.step_seconds(batch), self.step_seconds(batch * (self.k + 1))
+            return True  # learning the acceptance
+        guesses = round(batch * self.proposed / self.offered)
+        plain, check = self.step_seconds(batch), self.step_seconds(batch + guesses)
         if plain is None or check is None:
             return False  # a plain step will show what one costs
         if self._proposal_seqs:
             check += batch * self._proposal_seconds / self._proposal_seqs
-        tokens = 1 + self.accepted / self.proposed * self.k
-        return tokens * plain >= self.min_gain * check
+        return (1 + self.accepted / self.offered) * plain >= self.min_gain * check
 
     def speculating(self, batch: int) -> int:
         """How many of the `batch` running sequences may speculate this step."""

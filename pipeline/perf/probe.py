@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,16 @@ class ProbeResult:
     memory: float  # bytes of physical RAM
     threads: int
     bf16_native: bool = False  # AVX512-BF16 / AMX: bf16 matmuls are not emulated
+
+
+def cpu_flags() -> str:
+    """The CPU's vector / matrix extensions that decide which kernels are fast (printed beside figures)."""
+    try:
+        words = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return "?"
+    keep = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+    return " ".join(sorted({w for w in words if w in keep}))
 
 
 def best_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -144,7 +155,8 @@ def main() -> None:
     r = probe()
     print(f"threads {r.threads}: triad {r.bandwidth / 1e9:.1f} GB/s, fp32 F.linear {r.flops['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 F.linear {r.flops['bf16'] / 1e9:.1f} GFLOP/s ({'native' if r.bf16_native else 'emulated'}), "
-          f"int8 _int_mm {r.flops['int8'] / 1e9:.0f} GOP/s, RAM {r.memory / 2**30:.1f} GiB")
+          f"int8 _int_mm {r.flops['int8'] / 1e9:.0f} GOP/s, RAM {r.memory / 2**30:.1f} GiB; "
+          f"cpu flags: {cpu_flags()}")
 
 
 if __name__ == "__main__":
