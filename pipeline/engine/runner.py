@@ -5,9 +5,11 @@
 single call is everything a tensor-parallel worker needs: every rank executes the same batch on its own
 shard of the model and of the KV cache, and rank 0 samples.
 
-Flat batch layout: the sequences computing exactly one token (decodes) come first, one row each, then the
-multi-token prefill chunks. Decode attention is one batched matmul over the block tables of all decodes
-(gathered whole blocks, padding masked); prefill chunks use `causal_attention` per sequence.
+Flat batch layout: sequences in order of their query count: the decodes (one row each) first, then the
+multi-token chunks. Decode attention is one batched matmul over the block tables of all decodes
+(gathered whole blocks, padding masked); short chunks (up to SHORT_CHUNK queries: a speculating
+sequence's guesses) join it with one row per query; longer prefill chunks use `causal_attention` per
+sequence.
 
 Shared-prefix decode attention: decodes whose block tables start with the same cached blocks (rows of one
 prefix group) read those blocks once per step, in one matmul for the whole group's queries, and gather
@@ -66,7 +68,7 @@ def build_batch(
 
     A speculating sequence's tokens continue into its guesses (`seq.draft`): it is a short prefill chunk
     whose last 1 + len(draft) rows all give logits (one per guess to check, plus the next token)."""
-    work = sorted(work, key=lambda w: w[1] > 1)  # single-token rows first, stable
+    work = sorted(work, key=lambda w: w[1])  # fewest tokens first (decodes, then short chunks), stable
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -129,6 +131,7 @@ class PagedAttention:
         self.attention_seconds = 0.0
         self._decode_mask: torch.Tensor | None = None  # additive: 0 for keys, -inf for padding
         self._decode_rows: torch.Tensor | None = None  # rows of the [Hkv * num_blocks, block] pool view
+        self.num_rows = 0  # query rows of this step in the batched decode pass (a prefix of the batch)
         self._decode_order: torch.Tensor | None = None  # decode rows regrouped (None: batch order)
         self._shared: list[tuple[int, int, torch.Tensor]] = []  # (first, end) regrouped row, pool rows of the prefix
         self._prefills: list[tuple[int, int, int, torch.Tensor]] = []  # (row lo, row hi, keys, pool rows)
@@ -137,9 +140,18 @@ class PagedAttention:
     def prepare(self, batch: StepBatch) -> None:
         """Per-step metadata shared by all layers."""
         self.batch = batch
-        d = batch.num_decodes
+        starts, seq_lens = batch.query_start.tolist(), batch.context_lens.tolist()
+        # The decodes, and the short chunks right after them (`build_batch` orders by length), run as rows
+        # of the batched pass, one per query, each seeing the keys up to its own position.
+        seqs = batch.num_decodes
+        while seqs < len(seq_lens) and starts[seqs + 1] - starts[seqs] <= SHORT_CHUNK:
+            seqs += 1
+        d = self.num_rows = starts[seqs]
         if d:
-            lens, tables = batch.context_lens[:d], batch.block_tables[:d]
+            counts = batch.query_start[1 : seqs + 1] - batch.query_start[:seqs]
+            lens = torch.tensor([seq_lens[b] - n + i for b in range(seqs) for n in [starts[b + 1] - starts[b]]
+                                 for i in range(1, n + 1)], device=batch.context_lens.device)
+            tables = batch.block_tables[:seqs].repeat_interleave(counts, dim=0)
             groups = [] if self.window else shared_prefixes(tables.tolist(), lens.tolist(), self.block_size)
             self._decode_order, self._shared = None, []
             first_key = torch.zeros_like(lens)  # of the row's own pass, relative to its first gathered block
@@ -177,9 +189,9 @@ class PagedAttention:
             if self._key_buf.numel() < self._decode_rows.numel() * row:
                 self._key_buf = self._key_buf.new_empty(self._decode_rows.numel() * row)
                 self._value_buf = self._value_buf.new_empty(self._decode_rows.numel() * row)
-        starts, lens = batch.query_start.tolist(), batch.context_lens.tolist()
+        lens = seq_lens
         self._prefills = []
-        for b in range(d, len(lens)):
+        for b in range(seqs, len(lens)):
             # first block read: the one holding the first query's first key in the window (0 without one)
             first = max(0, lens[b] - (starts[b + 1] - starts[b]) - self.window + 1) // self.block_size if self.window else 0
             blocks = batch.block_tables[b, first : -(-lens[b] // self.block_size)]
@@ -202,7 +214,7 @@ class PagedAttention:
         flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
         flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
         flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-        d = batch.num_decodes
+        d = self.num_rows
         if d == q.shape[0]:  # decodes only (the steady state): no output assembly needed
             out = self._decode(q, kp, vp)
             self.attention_seconds += time.perf_counter() - t0
@@ -218,7 +230,7 @@ class PagedAttention:
         return out
 
     def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
-        """One query per sequence over its padded keys: [d, Hq, D] -> [d, Hq, D]."""
+        """Each query row over its own padded keys: [d, Hq, D] -> [d, Hq, D]."""
         d, hq, dim = q.shape
         hkv = kp.shape[0]
         group = hq // hkv
@@ -261,6 +273,11 @@ class PagedAttention:
         out = out.view(hkv, d, group, dim).transpose(0, 1).reshape(d, hq, dim)
         return torch.empty_like(out).index_copy_(0, order, out)
 
+
+# Chunks of at most this many queries (a speculating sequence's k + 1, a prompt's short last piece) join the
+# batched decode pass, one row per query, instead of a causal pass of their own: on CPU a per-sequence
+# pass costs ~10 small ops per layer, which made checking 4 guesses for 16 sequences cost 3-4 decode steps.
+SHORT_CHUNK = 16
 
 # A group pass costs a dozen small ops per layer; it pays once it saves gathering about this many blocks
 # ((rows - 1) x shared blocks). Measured on SmolLM2 / 2 CPU cores: groups of a few rows behind a 2-3 block

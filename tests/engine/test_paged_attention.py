@@ -20,10 +20,11 @@ def any_saving(monkeypatch):
     monkeypatch.setattr(runner, "MIN_SAVED_BLOCKS", 1)
 
 
-def decode_batch(tables: list[list[int]], lens: list[int], prefill: tuple[list[int], int] | None = None) -> StepBatch:
+def decode_batch(tables: list[list[int]], lens: list[int], prefill: tuple[list[int], int] | None = None,
+                 new: int = 3) -> StepBatch:
     """One decode row per (table, context length); optionally a prefill chunk (table, length) at the end
-    whose last 3 tokens are computed this step."""
-    rows = [(t, n, 1) for t, n in zip(tables, lens)] + ([(*prefill, 3)] if prefill else [])
+    whose last `new` tokens are computed this step."""
+    rows = [(t, n, 1) for t, n in zip(tables, lens)] + ([(*prefill, new)] if prefill else [])
     slots, positions, starts = [], [], [0]
     for table, n, new in rows:
         for p in range(n - new, n):
@@ -55,12 +56,12 @@ def reference(attn: PagedAttention, batch: StepBatch, q: torch.Tensor) -> torch.
     return out
 
 
-def attend(tables, lens, prefill=None, dtype=torch.float32):
+def attend(tables, lens, prefill=None, dtype=torch.float32, new=3):
     torch.manual_seed(0)
     attn = PagedAttention(1, NUM_BLOCKS, BLOCK, HKV, DIM, dtype, torch.device("cpu"), SCALE)
     attn.k[0].normal_()
     attn.v[0].normal_()
-    batch = decode_batch(tables, lens, prefill)
+    batch = decode_batch(tables, lens, prefill, new)
     q = torch.randn(batch.num_tokens, HQ, DIM, dtype=dtype)
     k, v = (torch.randn(batch.num_tokens, HKV, DIM, dtype=dtype) for _ in range(2))
     attn.prepare(batch)
@@ -79,7 +80,17 @@ def test_shared_prefix_decode_matches_per_sequence_attention(any_saving, prefill
     attn, out, ref = attend(TABLES, LENS, prefill)
     groups = {tuple(rows): n for rows, n in shared_prefixes(TABLES, LENS, BLOCK)}
     assert groups == {(0, 1, 2, 6): 2, (3, 4): 2}
-    assert len(attn._shared) == 2
+    # a short chunk's 3 query rows join the batched pass; sharing all their blocks, they form a group too
+    assert len(attn._shared) == (2 if prefill is None else 3)
+    assert attn.num_rows == out.shape[0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("new", [runner.SHORT_CHUNK, runner.SHORT_CHUNK + 1])
+def test_short_chunks_join_the_batched_pass_longer_ones_run_alone(new):
+    table = list(range(50, 50 + -(-(new + 5) // BLOCK)))
+    attn, out, ref = attend(TABLES, LENS, (table, new + 5), new=new)
+    assert attn.num_rows == len(TABLES) + (new if new <= runner.SHORT_CHUNK else 0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
