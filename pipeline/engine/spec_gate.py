@@ -11,8 +11,8 @@ positions (powers of two, old steps decaying) and interpolated linearly between 
 this machine, model and quantization, including where a CPU turns compute bound (a single straight line
 through decode and prefill steps misjudged that by 30% on SmolLM2). The proposer's own time per sequence
 (a draft model's steps) is added to the checking side. Until enough guesses were checked to know a and
-g, every step may speculate (learning them); then, until a plain step of the batch's size class was
-seen, none does (learning its cost). While the gate is closed, every `PROBE_EVERY`th step lets
+g, up to `LEARN_SEQS` sequences per step speculate (learning them); then, until a plain step of the
+batch's size class was seen, none does (learning its cost). While the gate is closed, every `PROBE_EVERY`th step lets
 `PROBE_SEQS` sequences speculate, so a and g keep following the workload at little cost.
 """
 
@@ -22,6 +22,7 @@ from pipeline.engine.config import SpeculativeConfig
 
 DECAY = 0.97  # weight kept by a size class's older steps at each new one (a memory of ~30 steps)
 MIN_GUESSES = 64  # checked guesses before the acceptance rate is trusted
+LEARN_SEQS = 8  # sequences that speculate per step while learning it (a full batch would pay k + 1 times)
 PROBE_EVERY = 16
 PROBE_SEQS = 1
 
@@ -76,6 +77,10 @@ class SpeculationGate:
         """How many of the `batch` running sequences may speculate this step."""
         if batch > self.max_batch:
             return 0
+        if self.min_gain == 0:
+            return batch  # always, nothing to learn
+        if self.proposed < MIN_GUESSES:
+            return min(batch, LEARN_SEQS)
         if self.worth_it(batch):
             self._closed_steps = 0
             return batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.engine.config import SpeculativeConfig
-from pipeline.engine.spec_gate import MIN_GUESSES, PROBE_EVERY, PROBE_SEQS, SpeculationGate
+from pipeline.engine.spec_gate import LEARN_SEQS, MIN_GUESSES, PROBE_EVERY, PROBE_SEQS, SpeculationGate
 
 
 def gate_with_costs(fixed: float, per_position: float, **spec) -> SpeculationGate:
@@ -47,7 +47,8 @@ def test_costs_that_bend_are_interpolated_not_fitted_by_one_line():
 def test_pays_where_accepted_tokens_beat_the_cost_ratio():
     unknown = SpeculationGate(SpeculativeConfig(method="ngram", k=4))
     unknown.observe_step(80, 0.4)
-    assert unknown.worth_it(16)  # acceptance still unknown: speculate to learn it
+    assert unknown.worth_it(16)  # acceptance still unknown: speculate to learn it, with a few sequences
+    assert unknown.speculating(16) == LEARN_SEQS and unknown.speculating(3) == 3
     learn(unknown, MIN_GUESSES // 4, MIN_GUESSES, MIN_GUESSES)
     assert not unknown.worth_it(16)  # acceptance known, a plain step's cost not: take one to see
     # 16 sequences: 0.144 s plain; each guessing 4 (80 positions): 0.40 s, 2.8x
