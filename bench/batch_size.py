@@ -1,6 +1,7 @@
 """Decode throughput by running batch size, measured on this machine, and the batch it suggests.
 
     OMP_WAIT_POLICY=PASSIVE python bench/batch_size.py --quant auto --batches 16,32,64,128,256
+    OMP_WAIT_POLICY=PASSIVE python bench/batch_size.py --quant w8a8 --batches 64 --compile off,on  # side by side
 
 For each batch size B: B distinct ~`--prompt-len`-token prompts are prefilled, then `--steps` decode steps
 with all B sequences running are timed (attending over about prompt + `--context-extra` positions, the
@@ -30,9 +31,11 @@ from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile
 
 
-def step_seconds(loaded, batch: int, prompt_len: int, context_extra: int, steps: int, kv: str) -> float:
+def step_seconds(loaded, batch: int, prompt_len: int, context_extra: int, steps: int, kv: str,
+                 compile: str) -> float:
     """Seconds per decode step with `batch` sequences running at about prompt_len + context_extra positions."""
-    engine = Engine(loaded, EngineConfig(kv_cache_memory=kv, max_batch_size=batch, max_batched_tokens=4096))
+    engine = Engine(loaded, EngineConfig(kv_cache_memory=kv, max_batch_size=batch, max_batched_tokens=4096,
+                                         compile=compile))
     sp = SamplingParams(max_tokens=context_extra + steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request(Request(i, [100 + (7 * i + j) % 20000 for j in range(prompt_len)], sp))
@@ -55,6 +58,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--within", type=float, default=0.05, help="suggest the smallest batch this close to the best")
+    ap.add_argument("--compile", default="auto", help="engine.compile values to measure side by side, e.g. off,on")
     args = ap.parse_args()
     path = args.model or default_model_path()
     batches = [int(b) for b in args.batches.split(",")]
@@ -66,16 +70,23 @@ def main() -> None:
         choice = choose_quant(base.config, profile, "gguf" if str(path).endswith(".gguf") else "int4",
                               hw.bf16_native, max(batches))
         quant, rows, head = choice.scheme, choice.w8a8_rows, choice.lm_head
-    loaded = load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=head)
+    settings = args.compile.split(",")
+    # one model per setting: compiling changes a model for good
+    models = {c: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=head) for c in settings}
+    loaded = models[settings[0]]
     print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "
-          f"model.quant={quant} (W8A8 from {rows} rows, LM head {head})")
+          f"model.quant={quant} (W8A8 {'at every step' if quant == 'w8a8' else f'from {rows} rows'}, "
+          f"LM head {head})")
     config = EngineConfig(kv_cache_memory=args.kv_cache_memory)
     capacity = config.kv_cache_bytes // kv_bytes_per_block(loaded.model, config.block_size) * config.block_size
     rates = {}
     for batch in batches:
-        seconds = step_seconds(loaded, batch, args.prompt_len, args.context_extra, args.steps, args.kv_cache_memory)
-        rates[batch] = batch / seconds
-        print(f"batch {batch:4d}: {1e3 * seconds:7.1f} ms/step  {rates[batch]:7.1f} tok/s", flush=True)
+        for setting in settings:
+            seconds = step_seconds(models[setting], batch, args.prompt_len, args.context_extra, args.steps,
+                                   args.kv_cache_memory, setting)
+            rates[batch] = max(rates.get(batch, 0.0), batch / seconds)
+            print(f"batch {batch:4d}, engine.compile={setting}: {1e3 * seconds:7.1f} ms/step  "
+                  f"{batch / seconds:7.1f} tok/s", flush=True)
     fits = {b for b in batches if b * (args.prompt_len + args.max_tokens) <= capacity}
     best = max(rates[b] for b in fits) if fits else None
     if best is None:
