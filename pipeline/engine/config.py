@@ -122,10 +122,10 @@ class DraftConfig:
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses up to `k` tokens, the model verifies them in one step.
 
-    Per step, only where it pays (`pipeline.engine.spec_gate`): checking k + 1 positions per sequence
-    costs little while a step is bound by reading the weights and up to k + 1 times a plain step where
-    it is compute bound, so the engine speculates when 1 + (share of guesses accepted) x k exceeds the
-    measured cost ratio by `min_gain`; never with more than `max_batch` sequences running.
+    Per step, only where it pays (`pipeline.engine.spec_gate`): checking guesses costs little while a
+    step is bound by reading the weights and up to k + 1 times a plain step where it is compute bound, so
+    the engine speculates when the tokens a check yields (1 + guesses kept per sequence) beat the measured
+    cost of the longer step by `min_gain`; never with more than `max_batch` sequences running.
     `adaptive_k` lets each sequence propose one more token after a fully accepted guess and one fewer
     (down to 1) after a fully rejected one.
     """
