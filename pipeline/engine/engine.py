@@ -26,7 +26,7 @@ from pipeline.engine.spec_gate import SpeculationGate
 from pipeline.engine.speculative import make_proposer
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.timing import StepClock
-from pipeline.model.llama import LlamaModel
+from pipeline.model.llama import LlamaModel, cpp_compiler
 
 
 class Engine:
@@ -503,7 +503,10 @@ def _adjusts_logits(seq: Sequence) -> bool:
 def compile_layers_wanted(setting: str, model: LlamaModel, device: torch.device) -> bool:
     """engine.compile resolved: only on CPU (the GPU path has its own kernels and CUDA graphs); `auto`
     compiles quantized single-rank models, whose activation quantization and scale epilogues are most of
-    a CPU step outside the matmuls, and leaves the exact float32 path eager."""
+    a CPU step outside the matmuls, where a C++ compiler is installed, and leaves the exact float32 path
+    eager."""
     if setting == "off" or device.type != "cpu":
         return False
-    return setting == "on" or (model.kernel_choice is not None and model.tp.size == 1)
+    if setting == "on":
+        return True
+    return model.kernel_choice is not None and model.tp.size == 1 and cpp_compiler() is not None

@@ -11,6 +11,8 @@ rows that need sampling into logits. Sequences, caches and batching belong to th
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterable
 
 import torch
@@ -82,6 +84,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend will call ($CXX or g++), if it is installed."""
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
 def _run_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """One decoder layer: a plain function of the module, so one compiled graph serves every layer."""
     return layer(x, cos_sin)
@@ -130,6 +137,9 @@ class LlamaModel(nn.Module):
         """
         if self.tp.size > 1:
             raise ValueError("compiled layers need tensor_parallel=1 (collectives are not traced)")
+        if cpp_compiler() is None:
+            raise RuntimeError("compiled layers need a C++ compiler for torch.compile on CPU (g++, or $CXX): "
+                               "install one (Debian: apt-get install g++) or set engine.compile=off")
         self.run_layer = torch.compile(_run_layer, dynamic=True)
         self.compiled = True
 

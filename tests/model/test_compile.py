@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipeline.model.loader import load_model
@@ -23,3 +24,14 @@ def test_compiled_w8a8_layers_match_eager(tiny_model_dir):
     reference = dict(enumerate(greedy_decode(eager, PROMPTS, 6)))
     other = {i: d.tokens for i, d in enumerate(greedy_decode(compiled, PROMPTS, 6))}
     assert_only_near_ties(reference, other)
+
+
+def test_without_a_cpp_compiler_compiling_fails_clearly_and_auto_stays_eager(tiny_model_dir, monkeypatch):
+    from pipeline.engine.engine import compile_layers_wanted
+
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    model = load_model(tiny_model_dir, quant="w8a8").model
+    assert not compile_layers_wanted("auto", model, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="C\\+\\+ compiler"):
+        model.compile_layers()
+    assert not model.compiled
