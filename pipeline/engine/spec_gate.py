@@ -12,8 +12,9 @@ this machine, model and quantization, including where a CPU turns compute bound 
 through decode and prefill steps misjudged that by 30% on SmolLM2). The proposer's own time per sequence
 (a draft model's steps) is added to the checking side. Until enough guesses were checked to know a and
 g, up to `LEARN_SEQS` sequences per step speculate (learning them); then, until a plain step of the
-batch's size class was seen, none does (learning its cost). While the gate is closed, every `PROBE_EVERY`th step lets
-`PROBE_SEQS` sequences speculate, so a and g keep following the workload at little cost.
+batch's size class was seen, none does (learning its cost). While the gate is closed, every
+`PROBE_EVERY`th step lets `PROBE_SEQS` sequences speculate, so a and g keep following the workload at
+little cost.
 """
 
 from __future__ import annotations

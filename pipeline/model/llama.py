@@ -124,7 +124,10 @@ class LlamaModel(nn.Module):
         # Set by pipeline.model.quant.attach_w8a8: picks each step's matmul kernel and counts its steps.
         self.kernel_choice = None
         self.run_layer = _run_layer  # or its compiled form (`compile_layers`)
-        self.compiled = False
+
+    @property
+    def compiled(self) -> bool:
+        return self.run_layer is not _run_layer
 
     def compile_layers(self) -> None:
         """Run every decoder layer through one `torch.compile`d graph (dynamic token count).
@@ -141,7 +144,6 @@ class LlamaModel(nn.Module):
             raise RuntimeError("compiled layers need a C++ compiler for torch.compile on CPU (g++, or $CXX): "
                                "install one (Debian: apt-get install g++) or set engine.compile=off")
         self.run_layer = torch.compile(_run_layer, dynamic=True)
-        self.compiled = True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
