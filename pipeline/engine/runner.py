@@ -189,13 +189,13 @@ class PagedAttention:
             if self._key_buf.numel() < self._decode_rows.numel() * row:
                 self._key_buf = self._key_buf.new_empty(self._decode_rows.numel() * row)
                 self._value_buf = self._value_buf.new_empty(self._decode_rows.numel() * row)
-        lens = seq_lens
         self._prefills = []
-        for b in range(seqs, len(lens)):
+        for b in range(seqs, len(seq_lens)):
+            keys = seq_lens[b]
             # first block read: the one holding the first query's first key in the window (0 without one)
-            first = max(0, lens[b] - (starts[b + 1] - starts[b]) - self.window + 1) // self.block_size if self.window else 0
-            blocks = batch.block_tables[b, first : -(-lens[b] // self.block_size)]
-            self._prefills.append((starts[b], starts[b + 1], lens[b] - first * self.block_size, self._pool_rows(blocks)))
+            first = max(0, keys - (starts[b + 1] - starts[b]) - self.window + 1) // self.block_size if self.window else 0
+            blocks = batch.block_tables[b, first : -(-keys // self.block_size)]
+            self._prefills.append((starts[b], starts[b + 1], keys - first * self.block_size, self._pool_rows(blocks)))
         for src, dst in batch.block_copies.tolist():
             for pool in (*self.k, *self.v):
                 pool[:, dst].copy_(pool[:, src])
