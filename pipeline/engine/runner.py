@@ -19,6 +19,7 @@ Without it, every row of a group copies the whole shared prefix out of the pool 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,9 +28,12 @@ from typing import Protocol
 
 import torch
 
+from kernels.cpu_attention import NativeKernelUnavailable, PagedDecodeKernel, load_paged_decode
 from pipeline.engine.sequence import Sequence
 from pipeline.model.attention import causal_attention
 from pipeline.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,8 +123,14 @@ class PagedAttention:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, scale: float, window: int | None = None):
+                 dtype: torch.dtype, device: torch.device, scale: float, window: int | None = None,
+                 native_group: int | None = None):
+        """native_group: query heads per KV head, to run decode rows through the native CPU kernel
+        (`kernels.cpu_attention`) where it builds for these pools; None keeps torch's path."""
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        self.native = None if native_group is None else native_decode_kernel(head_dim, native_group, block_size,
+                                                                              dtype, device)
+        self._native_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tables, lens, first
         # Sliding window (ModelConfig.sliding_window): blocks wholly before a query's window are not read.
         self.window = window
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -152,43 +162,11 @@ class PagedAttention:
             lens = torch.tensor([seq_lens[b] - n + i for b in range(seqs) for n in [starts[b + 1] - starts[b]]
                                  for i in range(1, n + 1)], device=batch.context_lens.device)
             tables = batch.block_tables[:seqs].repeat_interleave(counts, dim=0)
-            groups = [] if self.window else shared_prefixes(tables.tolist(), lens.tolist(), self.block_size)
-            self._decode_order, self._shared = None, []
-            first_key = torch.zeros_like(lens)  # of the row's own pass, relative to its first gathered block
-            if self.window:  # start each row at the block holding its first key in the window
-                visible = (lens - self.window).clamp_(min=0)
-                skip = visible // self.block_size
-                cols = (skip[:, None] + torch.arange(tables.shape[1], device=lens.device)).clamp_(
-                    max=tables.shape[1] - 1)
-                tables, lens, first_key = tables.gather(1, cols), lens - skip * self.block_size, visible % self.block_size
-            if groups:  # decode rows regrouped so that each group is a contiguous slice
-                grouped = [row for rows, _ in groups for row in rows]
-                rest = sorted(set(range(d)) - set(grouped))
-                self._decode_order = torch.tensor(grouped + rest, device=lens.device)
-                lens, tables = lens[self._decode_order], tables[self._decode_order]
-                skip = torch.zeros(d, dtype=torch.long, device=lens.device)  # blocks the group pass reads
-                lo = 0
-                for rows, num_blocks in groups:
-                    skip[lo : lo + len(rows)] = num_blocks
-                    self._shared.append((lo, lo + len(rows), self._pool_rows(tables[lo, :num_blocks])))
-                    lo += len(rows)
-                cols = (skip[:, None] + torch.arange(tables.shape[1], device=lens.device)).clamp_(
-                    max=tables.shape[1] - 1)
-                tables = tables.gather(1, cols)  # each row's own blocks first
-                lens = lens - skip * self.block_size  # keys left for the row's own pass
-            width = -(-int(lens.max()) // self.block_size)
-            self._decode_rows = self._pool_rows(tables[:, :width].reshape(-1))
-            hkv = self.k[0].shape[0]
-            keys = torch.arange(width * self.block_size, device=lens.device)  # key positions of a row's own pass
-            mask = torch.zeros(d, 1, keys.numel(), dtype=self.k[0].dtype, device=lens.device)
-            hidden = (keys[None, :] >= lens[:, None]) | (keys[None, :] < first_key[:, None])
-            mask.masked_fill_(hidden[:, None, :], float("-inf"))
-            self._decode_mask = mask.repeat(hkv, 1, 1)  # additive, [Hkv * d, 1, L]
-            # One gather buffer per step for all layers: fresh large tensors cost page faults every time.
-            row = self.block_size * self.k[0].shape[-1]
-            if self._key_buf.numel() < self._decode_rows.numel() * row:
-                self._key_buf = self._key_buf.new_empty(self._decode_rows.numel() * row)
-                self._value_buf = self._value_buf.new_empty(self._decode_rows.numel() * row)
+            if self.native is not None:  # the kernel walks each row's table itself
+                first = (lens - self.window).clamp_(min=0) if self.window else torch.zeros_like(lens)
+                self._native_rows = (tables, lens, first)
+            else:
+                self._prepare_gathered_decode(tables, lens)
         self._prefills = []
         for b in range(seqs, len(seq_lens)):
             keys = seq_lens[b]
@@ -199,6 +177,48 @@ class PagedAttention:
         for src, dst in batch.block_copies.tolist():
             for pool in (*self.k, *self.v):
                 pool[:, dst].copy_(pool[:, src])
+
+    def _prepare_gathered_decode(self, tables: torch.Tensor, lens: torch.Tensor) -> None:
+        """torch's decode path: which pool rows to gather for each query row, the padding mask, and the
+        shared-prefix groups that read their common blocks once."""
+        d = self.num_rows
+        groups = [] if self.window else shared_prefixes(tables.tolist(), lens.tolist(), self.block_size)
+        self._decode_order, self._shared = None, []
+        first_key = torch.zeros_like(lens)  # of the row's own pass, relative to its first gathered block
+        if self.window:  # start each row at the block holding its first key in the window
+            visible = (lens - self.window).clamp_(min=0)
+            skip = visible // self.block_size
+            cols = (skip[:, None] + torch.arange(tables.shape[1], device=lens.device)).clamp_(
+                max=tables.shape[1] - 1)
+            tables, lens, first_key = tables.gather(1, cols), lens - skip * self.block_size, visible % self.block_size
+        if groups:  # decode rows regrouped so that each group is a contiguous slice
+            grouped = [row for rows, _ in groups for row in rows]
+            rest = sorted(set(range(d)) - set(grouped))
+            self._decode_order = torch.tensor(grouped + rest, device=lens.device)
+            lens, tables = lens[self._decode_order], tables[self._decode_order]
+            skip = torch.zeros(d, dtype=torch.long, device=lens.device)  # blocks the group pass reads
+            lo = 0
+            for rows, num_blocks in groups:
+                skip[lo : lo + len(rows)] = num_blocks
+                self._shared.append((lo, lo + len(rows), self._pool_rows(tables[lo, :num_blocks])))
+                lo += len(rows)
+            cols = (skip[:, None] + torch.arange(tables.shape[1], device=lens.device)).clamp_(
+                max=tables.shape[1] - 1)
+            tables = tables.gather(1, cols)  # each row's own blocks first
+            lens = lens - skip * self.block_size  # keys left for the row's own pass
+        width = -(-int(lens.max()) // self.block_size)
+        self._decode_rows = self._pool_rows(tables[:, :width].reshape(-1))
+        hkv = self.k[0].shape[0]
+        keys = torch.arange(width * self.block_size, device=lens.device)  # key positions of a row's own pass
+        mask = torch.zeros(d, 1, keys.numel(), dtype=self.k[0].dtype, device=lens.device)
+        hidden = (keys[None, :] >= lens[:, None]) | (keys[None, :] < first_key[:, None])
+        mask.masked_fill_(hidden[:, None, :], float("-inf"))
+        self._decode_mask = mask.repeat(hkv, 1, 1)  # additive, [Hkv * d, 1, L]
+        # One gather buffer per step for all layers: fresh large tensors cost page faults every time.
+        row = self.block_size * self.k[0].shape[-1]
+        if self._key_buf.numel() < self._decode_rows.numel() * row:
+            self._key_buf = self._key_buf.new_empty(self._decode_rows.numel() * row)
+            self._value_buf = self._value_buf.new_empty(self._decode_rows.numel() * row)
 
     def _pool_rows(self, blocks: torch.Tensor) -> torch.Tensor:
         """Rows of the pool viewed as [Hkv * num_blocks, block_size * D] holding `blocks`, head-major:
@@ -230,7 +250,9 @@ class PagedAttention:
         return out
 
     def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
-        """Each query row over its own padded keys: [d, Hq, D] -> [d, Hq, D]."""
+        """Each query row over its own keys: [d, Hq, D] -> [d, Hq, D]."""
+        if self.native is not None:
+            return self.native(q.contiguous(), kp, vp, *self._native_rows, self.scale)
         d, hq, dim = q.shape
         hkv = kp.shape[0]
         group = hq // hkv
@@ -272,6 +294,18 @@ class PagedAttention:
             out[:, part] += extra
         out = out.view(hkv, d, group, dim).transpose(0, 1).reshape(d, hq, dim)
         return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def native_decode_kernel(head_dim: int, group: int, block_size: int, dtype: torch.dtype,
+                         device: torch.device) -> PagedDecodeKernel | None:
+    """The native CPU decode attention for float32 pools on CPU, or None (logged, with the reason)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    try:
+        return load_paged_decode(head_dim, group, block_size)
+    except NativeKernelUnavailable as e:
+        log.info("decode attention runs on torch ops: the native CPU kernel is unavailable (%s)", e)
+        return None
 
 
 # Chunks of at most this many queries (a speculating sequence's k + 1, a prompt's short last piece) join the
@@ -317,7 +351,7 @@ class Runner:
         self.device = device
         self.attn = PagedAttention(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads // model.tp.size, cfg.head_dim,
-            model.dtype, device, model.scale, cfg.sliding_window,
+            model.dtype, device, model.scale, cfg.sliding_window, native_group=cfg.num_heads // cfg.num_kv_heads,
         )
 
     @torch.inference_mode()

@@ -1,0 +1,162 @@
+/* Paged decode attention on CPU: each query row over its own keys, read in place from the block pool.
+ *
+ * Why native code: torch has no paged attention for CPU, and composing one from torch ops gathers every
+ * row's blocks into a buffer and reads them twice more (q k^T, then p v): four passes over the cache for
+ * one that matters. Here each (row, KV head) task walks its block table once with an online softmax,
+ * serving the whole query group of that KV head from one read of each key and value.
+ *
+ * Pools are float32 [num_kv_heads, num_blocks, BLOCK, HEAD_DIM] (PagedAttention's layout); q and out are
+ * [rows, num_kv_heads * GROUP, HEAD_DIM]. HEAD_DIM, GROUP (query heads per KV head) and BLOCK (tokens per
+ * block) are compile-time constants (-D flags) so that every loop has a fixed trip count; the build is
+ * cached per combination (kernels/cpu_attention.py). Threads: OpenMP, the runtime torch already loaded.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VEC 16
+typedef __m512 native_vec;
+static inline float hsum(native_vec v) { return _mm512_reduce_add_ps(v); }
+static inline float hmax(native_vec v) { return _mm512_reduce_max_ps(v); }
+#define VMAX _mm512_max_ps
+#elif defined(__AVX2__)
+#define VEC 8
+typedef __m256 native_vec;
+static inline float hsum(native_vec v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float hmax(native_vec v)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+#define VMAX _mm256_max_ps
+#else
+#error "the CPU attention kernel needs AVX2 or AVX-512"
+#endif
+
+#if HEAD_DIM % VEC != 0 || BLOCK % VEC != 0
+#error "HEAD_DIM and BLOCK must be multiples of the vector width"
+#endif
+#define CHUNKS (HEAD_DIM / VEC)
+
+typedef float vec __attribute__((vector_size(VEC * 4)));
+typedef int32_t ivec __attribute__((vector_size(VEC * 4)));
+
+static inline vec load(const float *p)
+{
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline vec vmax(vec a, vec b) { return (vec)VMAX((native_vec)a, (native_vec)b); }
+
+/* exp(x) lane by lane for x <= 0 (-inf included): exactly 0 below -87, else within ~2 ulp. Plain vector
+ * arithmetic (Cody-Waite reduction, degree-6 polynomial) so that it runs a whole vector at a time. */
+static inline vec vexp(vec x)
+{
+    const ivec live = x > splat(-87.0f);
+    x = (vec)(((ivec)x & live) | ((ivec)splat(-87.0f) & ~live));
+    const vec magic = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    const vec n = (x * 1.44269504088896341f + magic) - magic;
+    const vec r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23; /* 2^n */
+    return (vec)((ivec)(p * (vec)bits) & live);
+}
+
+/* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. */
+void paged_decode_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *tables,
+                      int64_t table_stride, const int64_t *lens, const int64_t *first, float *out, int64_t rows,
+                      int64_t num_kv_heads, int64_t num_blocks, float scale)
+{
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            vec acc[GROUP][CHUNKS], qs[GROUP][CHUNKS];
+            float m[GROUP], l[GROUP]; /* running max and sum of the online softmax */
+            const float *qr = q + (r * num_kv_heads + h) * GROUP * HEAD_DIM;
+            for (int g = 0; g < GROUP; g++) {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+                for (int c = 0; c < CHUNKS; c++) {
+                    acc[g][c] = splat(0.0f);
+                    qs[g][c] = load(qr + g * HEAD_DIM + c * VEC) * scale;
+                }
+            }
+            const int64_t *table = tables + r * table_stride;
+            const int64_t end = lens[r];
+            for (int64_t start = first[r] - first[r] % BLOCK; start < end; start += BLOCK) {
+                const float *kb = k_pool + (h * num_blocks + table[start / BLOCK]) * BLOCK * HEAD_DIM;
+                const float *vb = v_pool + (kb - k_pool);
+                const int lo = start > first[r] ? 0 : (int)(first[r] - start);
+                const int hi = end - start < BLOCK ? (int)(end - start) : BLOCK;
+                /* The next block (blocks are scattered 4 KiB pieces, which the hardware prefetcher does
+                 * not follow): a slice of it per key, so that its loads overlap this block's arithmetic. */
+                const float *next_k = start + BLOCK < end
+                    ? k_pool + (h * num_blocks + table[start / BLOCK + 1]) * BLOCK * HEAD_DIM : NULL;
+                float s[GROUP][BLOCK];
+                for (int g = 0; g < GROUP; g++)
+                    for (int t = 0; t < BLOCK; t++) s[g][t] = -INFINITY;
+                for (int t = lo; t < hi; t++) {
+                    if (next_k)
+                        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 16) {
+                            __builtin_prefetch(next_k + i);
+                            __builtin_prefetch(v_pool + (next_k - k_pool) + i);
+                        }
+                    vec k[CHUNKS];
+                    for (int c = 0; c < CHUNKS; c++) k[c] = load(kb + t * HEAD_DIM + c * VEC);
+                    for (int g = 0; g < GROUP; g++) {
+                        vec dot = qs[g][0] * k[0];
+                        for (int c = 1; c < CHUNKS; c++) dot += qs[g][c] * k[c];
+                        s[g][t] = hsum(dot);
+                    }
+                }
+                for (int g = 0; g < GROUP; g++) {
+                    vec top = load(s[g]);
+                    for (int t = VEC; t < BLOCK; t += VEC) top = vmax(top, load(&s[g][t]));
+                    const float new_m = fmaxf(m[g], hmax(top));
+                    const float rescale = vexp(splat(m[g] - new_m))[0];
+                    vec sum = splat(0.0f);
+                    for (int t = 0; t < BLOCK; t += VEC) {
+                        const vec p = vexp(load(&s[g][t]) - new_m);
+                        memcpy(&s[g][t], &p, sizeof p);
+                        sum += p;
+                    }
+                    l[g] = l[g] * rescale + hsum(sum);
+                    m[g] = new_m;
+                    for (int c = 0; c < CHUNKS; c++) acc[g][c] *= rescale;
+                }
+                for (int t = lo; t < hi; t++) {
+                    vec v[CHUNKS];
+                    for (int c = 0; c < CHUNKS; c++) v[c] = load(vb + t * HEAD_DIM + c * VEC);
+                    for (int g = 0; g < GROUP; g++)
+                        for (int c = 0; c < CHUNKS; c++) acc[g][c] += s[g][t] * v[c];
+                }
+            }
+            float *o = out + (r * num_kv_heads + h) * GROUP * HEAD_DIM;
+            for (int g = 0; g < GROUP; g++) {
+                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+                for (int c = 0; c < CHUNKS; c++) {
+                    const vec y = acc[g][c] * inv;
+                    memcpy(o + g * HEAD_DIM + c * VEC, &y, sizeof y);
+                }
+            }
+        }
+    }
+}

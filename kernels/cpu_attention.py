@@ -1,0 +1,137 @@
+"""Build, cache and call the native CPU paged decode attention (`kernels/cpu_attention.c`).
+
+The C source is compiled once per (head_dim, query group, block size, compiler, CPU) with the system C
+compiler (`$CC`, else `gcc`/`cc`) and `-march=native`, cached under `$PIPELINE_KERNEL_CACHE` (default
+`~/.cache/pipeline/kernels`), and called through ctypes: the kernel takes raw pointers, so no torch headers
+and no extension toolchain are needed, and a build takes about a second. It uses the OpenMP runtime torch has
+already loaded, so it shares torch's threads and their count.
+
+Where it cannot run (no compiler, a CPU without AVX2, a shape the kernel does not take, or
+`PIPELINE_NATIVE_ATTENTION=off`), `load_paged_decode` says why and callers keep torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+VECTOR_FLOATS = 16  # head_dim and block_size must be multiples of this (AVX-512 width; AVX2 takes 8)
+MAX_GROUP = 16  # query heads per KV head held in registers / on the stack per task
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The native kernel cannot run here; the message says why."""
+
+
+class PagedDecodeKernel:
+    """The compiled kernel for one (head_dim, group, block_size): float32 pools only."""
+
+    def __init__(self, library: ctypes.CDLL, head_dim: int, group: int, block_size: int):
+        self.head_dim, self.group, self.block_size = head_dim, group, block_size
+        self._fn = library.paged_decode_f32
+        self._fn.restype = None
+        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+            ctypes.c_int64] * 3 + [ctypes.c_float]
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, first: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [rows, Hq, D] over pools [Hkv, num_blocks, block_size, D]: row r sees its keys at positions
+        first[r] .. lens[r] - 1 through block table tables[r] (int64). Returns [rows, Hq, D] float32."""
+        rows, hq, dim = q.shape
+        hkv, num_blocks, block_size, _ = k_pool.shape
+        if (dim, hq // hkv, block_size) != (self.head_dim, self.group, self.block_size):
+            raise ValueError(f"kernel built for head_dim/group/block {self.head_dim}/{self.group}/"
+                             f"{self.block_size}, called with {dim}/{hq // hkv}/{block_size}")
+        for name, t, dtype in (("q", q, torch.float32), ("k_pool", k_pool, torch.float32),
+                               ("v_pool", v_pool, torch.float32), ("tables", tables, torch.int64),
+                               ("lens", lens, torch.int64), ("first", first, torch.int64)):
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
+        if tables.shape[0] != rows or lens.shape != (rows,) or first.shape != (rows,):
+            raise ValueError(f"tables/lens/first must have {rows} rows, got {tuple(tables.shape)}, "
+                             f"{tuple(lens.shape)}, {tuple(first.shape)}")
+        out = torch.empty_like(q)
+        self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.shape[1],
+                 lens.data_ptr(), first.data_ptr(), out.data_ptr(), rows, hkv, num_blocks, scale)
+        return out
+
+
+def c_compiler() -> str | None:
+    """$CC, else gcc, else cc, if installed."""
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model name and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown cpu"
+    return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(("model name", "flags"))))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels")
+
+
+def load_paged_decode(head_dim: int, group: int, block_size: int) -> PagedDecodeKernel:
+    """The kernel for this shape, built on first use (and cached on disk); NativeKernelUnavailable if not."""
+    if os.environ.get("PIPELINE_NATIVE_ATTENTION", "").lower() in ("0", "off", "false", "no"):
+        raise NativeKernelUnavailable("PIPELINE_NATIVE_ATTENTION is off")
+    outcome = _kernel_or_reason(head_dim, group, block_size)
+    if isinstance(outcome, str):
+        raise NativeKernelUnavailable(outcome)
+    return outcome
+
+
+@cache
+def _kernel_or_reason(head_dim: int, group: int, block_size: int) -> PagedDecodeKernel | str:
+    """Built once per process and shape; a failure is remembered too, so it is not retried per engine."""
+    if head_dim % VECTOR_FLOATS or block_size % VECTOR_FLOATS or not 1 <= group <= MAX_GROUP:
+        return (f"head_dim {head_dim} and block_size {block_size} must be multiples of {VECTOR_FLOATS}, "
+                f"and query heads per KV head ({group}) at most {MAX_GROUP}")
+    if "avx2" not in _cpu_identity().split():
+        return "this CPU has no AVX2"
+    compiler = c_compiler()
+    if compiler is None:
+        return "no C compiler ($CC, gcc or cc) is installed"
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, *FLAGS, *defines,
+                                    _cpu_identity()]).encode()).hexdigest()[:20]
+    library = cache_dir() / f"cpu_attention-{key}.so"
+    try:
+        if not library.exists():
+            _build(compiler, defines, library)
+        return PagedDecodeKernel(ctypes.CDLL(str(library)), head_dim, group, block_size)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"building or loading {library} failed: {e}"
+
+
+def _build(compiler: str, defines: tuple[str, ...], library: Path) -> None:
+    """Compile to a temporary name, then rename: concurrent jobs sharing the cache never see half a file."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, *defines, str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

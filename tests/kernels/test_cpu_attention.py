@@ -1,0 +1,156 @@
+"""The native CPU paged decode attention against the plain-torch reference, and how it is built, cached and
+refused. Skipped only where the kernel cannot build (no C compiler or no AVX2); CI machines have both."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+from kernels.cpu_attention import NativeKernelUnavailable, load_paged_decode
+from kernels.paged_attention_reference import attention_part, gather_keys, paged_decode_reference
+from pipeline.engine.runner import PagedAttention, StepBatch
+
+
+def kernel_or_skip(head_dim: int, group: int, block: int) -> cpu_attention.PagedDecodeKernel:
+    try:
+        return load_paged_decode(head_dim, group, block)
+    except NativeKernelUnavailable as e:
+        pytest.skip(f"native kernel unavailable here: {e}")
+
+
+def scattered_pools(hkv: int, num_blocks: int, block: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(hkv, num_blocks, block, dim, generator=g)
+    v = torch.randn(hkv, num_blocks, block, dim, generator=g)
+    return k, v, torch.randperm(num_blocks, generator=g)
+
+
+@pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16)])
+def test_matches_reference_over_scattered_blocks(dim, group, block):
+    kernel = kernel_or_skip(dim, group, block)
+    hkv, rows = 3, 9
+    lens = torch.tensor([1, block - 1, block, block + 1, 3 * block, 5 * block + 7, 2, 40, 4 * block - 1])
+    width = -(-int(lens.max()) // block) + 1  # one spare column: tables are padded past a row's blocks
+    k, v, perm = scattered_pools(hkv, rows * width, block, dim)
+    tables = perm[: rows * width].view(rows, width).contiguous()
+    q = torch.randn(rows, hkv * group, dim)
+    out = kernel(q, k, v, tables, lens, torch.zeros_like(lens), dim**-0.5)
+    torch.testing.assert_close(out, paged_decode_reference(q, k, v, tables, lens, dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_reads_only_keys_from_first_to_len():
+    """Keys before `first` (a sliding window) and past `lens` (the rest of the last block) are NaN: any read
+    of them would spread NaN."""
+    dim, group, block = 64, 3, 16
+    kernel = kernel_or_skip(dim, group, block)
+    lens = torch.tensor([20, 50, 37, 5])
+    first = torch.tensor([3, 33, 16, 0])
+    k, v, perm = scattered_pools(3, 32, block, dim, seed=1)
+    tables = perm[:16].view(4, 4).contiguous()
+    for row, (lo, hi) in enumerate(zip(first.tolist(), lens.tolist())):
+        for pos in [*range(0, lo), *range(hi, 4 * block)]:
+            blk, off = tables[row, pos // block], pos % block
+            k[:, blk, off] = v[:, blk, off] = float("nan")
+    q = torch.randn(4, 3 * group, dim)
+    out = kernel(q, k, v, tables, lens, first, 0.125)
+    expect = torch.stack([
+        attention_part(q[r : r + 1], gather_keys(k, tables[r], lo, hi), gather_keys(v, tables[r], lo, hi), 0.125)[0][0]
+        for r, (lo, hi) in enumerate(zip(first.tolist(), lens.tolist()))])
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_large_score_spread_stays_exact():
+    """Scores far apart (the online softmax rescales often, exp underflows to 0) match the reference."""
+    dim, group, block = 64, 3, 16
+    kernel = kernel_or_skip(dim, group, block)
+    k, v, perm = scattered_pools(3, 12, block, dim, seed=2)
+    k *= torch.linspace(0.1, 30, block * 12).view(1, 12, block, 1)  # later keys score much higher
+    tables = perm.view(2, 6).contiguous()
+    lens = torch.tensor([96, 70])
+    q = torch.randn(2, 9, dim)
+    torch.testing.assert_close(kernel(q, k, v, tables, lens, torch.zeros_like(lens), 0.125),
+                               paged_decode_reference(q, k, v, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_inputs_are_refused_with_their_name():
+    kernel = kernel_or_skip(64, 3, 16)
+    k = torch.zeros(3, 4, 16, 64)
+    tables, lens = torch.zeros(2, 2, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="tables must be a contiguous torch.int64"):
+        kernel(torch.zeros(2, 9, 64), k, k, tables.int(), lens, lens, 1.0)
+    with pytest.raises(ValueError, match="built for head_dim/group/block 64/3/16"):
+        kernel(torch.zeros(2, 6, 64), k, k, tables, lens, lens, 1.0)
+
+
+def test_paged_attention_uses_the_kernel_for_decodes_and_short_chunks():
+    """A step of decodes, a speculating sequence's 5-query chunk and a prefill chunk: the same output with
+    the native kernel as with torch's path."""
+    kernel_or_skip(16, 3, 16)
+    block, hkv, dim = 16, 2, 16
+    tables = [[3, 9, 4], [7, 1], [12, 2, 8, 5], [20, 21, 22], [30, 31, 32]]
+    lens, new = [40, 17, 60, 36, 45], [1, 1, 1, 5, 30]
+    slots, positions, starts = [], [], [0]
+    for table, n, m in zip(tables, lens, new):
+        positions += range(n - m, n)
+        slots += [table[p // block] * block + p % block for p in range(n - m, n)]
+        starts.append(starts[-1] + m)
+    batch = StepBatch(
+        input_ids=torch.zeros(len(slots), dtype=torch.long), positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots), query_start=torch.tensor(starts), context_lens=torch.tensor(lens),
+        block_tables=torch.tensor([t + [0] * (4 - len(t)) for t in tables]), num_decodes=3,
+        logits_rows=torch.zeros(0, dtype=torch.long))
+    torch.manual_seed(3)
+    q = torch.randn(len(slots), hkv * 3, dim)
+    k, v = torch.randn(len(slots), hkv, dim), torch.randn(len(slots), hkv, dim)
+    pools = torch.randn(2, hkv, 40, block, dim)
+    outs = []
+    for group in (3, None):
+        attn = PagedAttention(1, 40, block, hkv, dim, torch.float32, torch.device("cpu"), 0.25, native_group=group)
+        attn.k[0].copy_(pools[0])
+        attn.v[0].copy_(pools[1])
+        assert (attn.native is not None) == (group is not None)
+        attn.prepare(batch)
+        assert attn.num_rows == 8  # three decodes and the 5-query chunk
+        outs.append(attn.attend(0, q, k, v))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_build_is_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_KERNEL_CACHE", str(tmp_path))
+    cpu_attention._kernel_or_reason.cache_clear()
+    kernel_or_skip(32, 2, 16)
+    built = list(tmp_path.glob("cpu_attention-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_attention._kernel_or_reason.cache_clear()
+    load_paged_decode(32, 2, 16)  # a new process would find the same file
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("cpu_attention-*")] == [stamp]
+    cpu_attention._kernel_or_reason.cache_clear()
+
+
+@pytest.mark.parametrize("why,setup", [
+    ("PIPELINE_NATIVE_ATTENTION is off", lambda mp: mp.setenv("PIPELINE_NATIVE_ATTENTION", "off")),
+    ("no C compiler", lambda mp: mp.setattr(cpu_attention, "c_compiler", lambda: None)),
+])
+def test_unavailable_falls_back_to_torch_and_says_why(monkeypatch, caplog, why, setup):
+    setup(monkeypatch)
+    cpu_attention._kernel_or_reason.cache_clear()
+    with pytest.raises(NativeKernelUnavailable, match=why):
+        load_paged_decode(64, 3, 16)
+    with caplog.at_level(logging.INFO, logger="pipeline.engine.runner"):
+        attn = PagedAttention(1, 4, 16, 3, 64, torch.float32, torch.device("cpu"), 0.125, native_group=3)
+    assert attn.native is None
+    assert why in caplog.text
+    cpu_attention._kernel_or_reason.cache_clear()
+
+
+def test_shapes_the_kernel_does_not_take_are_refused():
+    with pytest.raises(NativeKernelUnavailable, match="multiples of 16"):
+        load_paged_decode(64, 3, 8)
+    with pytest.raises(NativeKernelUnavailable, match="at most 16"):
+        load_paged_decode(64, 17, 16)
+    # bfloat16 pools keep torch's path
+    assert PagedAttention(1, 4, 16, 3, 64, torch.bfloat16, torch.device("cpu"), 0.125, native_group=3).native is None
