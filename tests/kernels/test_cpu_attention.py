@@ -85,9 +85,11 @@ def test_wrong_inputs_are_refused_with_their_name():
         kernel(torch.zeros(2, 6, 64), k, k, tables, lens, lens, 1.0)
 
 
-def test_paged_attention_uses_the_kernel_for_decodes_and_short_chunks():
-    """A step of decodes, a speculating sequence's 5-query chunk and a prefill chunk: the same output with
-    the native kernel as with torch's path."""
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_runs_every_query_through_the_kernel(window):
+    """A step of decodes, a speculating sequence's 5-query chunk and a 30-query prefill chunk, all rows of
+    the kernel's pass: the same output as torch's path (batched decode rows, a causal pass for the
+    prefill), with and without a sliding window."""
     kernel_or_skip(16, 3, 16)
     block, hkv, dim = 16, 2, 16
     tables = [[3, 9, 4], [7, 1], [12, 2, 8, 5], [20, 21, 22], [30, 31, 32]]
@@ -108,12 +110,13 @@ def test_paged_attention_uses_the_kernel_for_decodes_and_short_chunks():
     pools = torch.randn(2, hkv, 40, block, dim)
     outs = []
     for group in (3, None):
-        attn = PagedAttention(1, 40, block, hkv, dim, torch.float32, torch.device("cpu"), 0.25, native_group=group)
+        attn = PagedAttention(1, 40, block, hkv, dim, torch.float32, torch.device("cpu"), 0.25, window,
+                              native_group=group)
         attn.k[0].copy_(pools[0])
         attn.v[0].copy_(pools[1])
         assert (attn.native is not None) == (group is not None)
         attn.prepare(batch)
-        assert attn.num_rows == 8  # three decodes and the 5-query chunk
+        assert attn.num_rows == (len(slots) if group else 8)  # torch's pass: the decodes and the 5-query chunk
         outs.append(attn.attend(0, q, k, v))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
