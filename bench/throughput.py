@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from pipeline.config import resolve_kv_dtype
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -92,13 +93,15 @@ def make_distinct_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int | None):
-    """The model as the job loads it for `model.quant=mode` (auto: the probe's choice)."""
-    if mode == "none":
-        return load_model(path, dtype)
-    if mode == "auto":
-        return load_model(path, dtype, quant=auto_choice.scheme, w8a8_rows=auto_choice.w8a8_rows,
-                          quant_lm_head=auto_choice.lm_head)
-    return load_model(path, dtype, quant=mode, w8a8_rows=w8a8_rows, quant_lm_head=auto_choice.lm_head)
+    """The model as the job loads it for `mode` = `quant[/kv dtype]`: model.quant=quant (auto: the probe's
+    choice) and model.kv_cache_dtype=kv dtype (default auto, resolved as the job does)."""
+    quant, _, kv = mode.partition("/")
+    scheme = auto_choice.scheme if quant == "auto" else quant
+    kv_dtype = getattr(torch, resolve_kv_dtype(kv or "auto", scheme, str(dtype).removeprefix("torch.")))
+    if quant == "none":
+        return load_model(path, dtype, kv_dtype=kv_dtype)
+    return load_model(path, dtype, quant=scheme, w8a8_rows=auto_choice.w8a8_rows if quant == "auto" else w8a8_rows,
+                      quant_lm_head=auto_choice.lm_head, kv_dtype=kv_dtype)
 
 
 def run_engine(loaded, prompts: list[list[int]], args) -> dict:
@@ -204,7 +207,9 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=32, help="shared: questions per system prompt")
     ap.add_argument("--prompt-len", type=int, default=40, help="synthetic: prompt length")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--modes", default="none,auto", help="comma-separated model.quant values for the engine")
+    ap.add_argument("--modes", default="none,auto",
+                    help="comma-separated model.quant values for the engine, each optionally /float32 or /bfloat16 "
+                         "for model.kv_cache_dtype (default: auto, as the job resolves it)")
     ap.add_argument("--w8a8-rows", type=int, default=16, help="model.quant_w8a8_rows for int8/int4/gguf")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every mode and transformers")
     ap.add_argument("--batch", type=int, default=64, help="engine.max_batch_size")
@@ -245,8 +250,7 @@ def main() -> None:
           f"tokens, {args.new_tokens} new tokens each")
 
     modes = args.modes.split(",")
-    models = {m: base if m == "none" else load_mode(path, getattr(torch, dtype_name), m, auto, args.w8a8_rows)
-              for m in modes}
+    models = {m: load_mode(path, getattr(torch, dtype_name), m, auto, args.w8a8_rows) for m in modes}
     hf_source = base if dtype_name == best_dtype else load_model(path, getattr(torch, best_dtype))
     hf_best = None  # (attn, batch, model)
     for attn in args.hf_attn.split(","):
@@ -271,7 +275,8 @@ def main() -> None:
             agree = sum(first_outputs[i] == eng["outputs"][i] for i in range(len(prompts))) / len(prompts)
             roof_dtype = "int8" if loaded.model.kernel_choice is not None and loaded.model.kernel_choice.w8a8_rows else dtype_name
             peak = hw.flops["int8"] if roof_dtype == "int8" else peaks[dtype_name]
-            roof = step_roofline(loaded.config, s, roof_dtype, dtype_name, hw.bandwidth, peak)
+            kv_name = str(loaded.model.kv_dtype).removeprefix("torch.")
+            roof = step_roofline(loaded.config, s, roof_dtype, kv_name, hw.bandwidth, peak)
             step_ms = 1e3 * s.total_time / s.steps
             kernels = dict(loaded.model.kernel_choice.steps) if loaded.model.kernel_choice is not None else {}
             print(f"round {r} engine {mode:5s}: {eng['tokens_per_s']:7.1f} tok/s  mean batch {s.mean_running_batch:.1f}"

@@ -5,10 +5,12 @@
  * one that matters. Here each (row, KV head) task walks its block table once with an online softmax,
  * serving the whole query group of that KV head from one read of each key and value.
  *
- * Pools are float32 [num_kv_heads, num_blocks, BLOCK, HEAD_DIM] (PagedAttention's layout); q and out are
- * [rows, num_kv_heads * GROUP, HEAD_DIM]. HEAD_DIM, GROUP (query heads per KV head) and BLOCK (tokens per
- * block) are compile-time constants (-D flags) so that every loop has a fixed trip count; the build is
- * cached per combination (kernels/cpu_attention.py). Threads: OpenMP, the runtime torch already loaded.
+ * Pools are [num_kv_heads, num_blocks, BLOCK, HEAD_DIM] (PagedAttention's layout), float32, or bfloat16
+ * with -DKV_BF16 (half the bytes to read; widened to float32 on load, all arithmetic in float32); q and out
+ * are float32 [rows, num_kv_heads * GROUP, HEAD_DIM]. HEAD_DIM, GROUP (query heads per KV head) and BLOCK
+ * (tokens per block) are compile-time constants (-D flags) so that every loop has a fixed trip count; the
+ * build is cached per combination (kernels/cpu_attention.py). Threads: OpenMP, the runtime torch already
+ * loaded.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -58,6 +60,22 @@ static inline vec load(const float *p)
 
 static inline vec splat(float x) { return (vec){0} + x; }
 
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+typedef uint16_t hvec __attribute__((vector_size(VEC * 2)));
+typedef uint32_t uvec __attribute__((vector_size(VEC * 4)));
+/* bfloat16 is the top half of a float32: widen, shift into place. */
+static inline vec load_kv(const kv_t *p)
+{
+    hvec h;
+    memcpy(&h, p, sizeof h);
+    return (vec)(__builtin_convertvector(h, uvec) << 16);
+}
+#else
+typedef float kv_t;
+static inline vec load_kv(const kv_t *p) { return load(p); }
+#endif
+
 static inline vec vmax(vec a, vec b) { return (vec)VMAX((native_vec)a, (native_vec)b); }
 
 /* exp(x) lane by lane for x <= 0 (-inf included): exactly 0 below -87, else within ~2 ulp. Plain vector
@@ -81,7 +99,7 @@ static inline vec vexp(vec x)
 }
 
 /* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. */
-void paged_decode_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *tables,
+void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const int64_t *tables,
                       int64_t table_stride, const int64_t *lens, const int64_t *first, float *out, int64_t rows,
                       int64_t num_kv_heads, int64_t num_blocks, float scale)
 {
@@ -102,25 +120,25 @@ void paged_decode_f32(const float *q, const float *k_pool, const float *v_pool, 
             const int64_t *table = tables + r * table_stride;
             const int64_t end = lens[r];
             for (int64_t start = first[r] - first[r] % BLOCK; start < end; start += BLOCK) {
-                const float *kb = k_pool + (h * num_blocks + table[start / BLOCK]) * BLOCK * HEAD_DIM;
-                const float *vb = v_pool + (kb - k_pool);
+                const kv_t *kb = k_pool + (h * num_blocks + table[start / BLOCK]) * BLOCK * HEAD_DIM;
+                const kv_t *vb = v_pool + (kb - k_pool);
                 const int lo = start > first[r] ? 0 : (int)(first[r] - start);
                 const int hi = end - start < BLOCK ? (int)(end - start) : BLOCK;
                 /* The next block (blocks are scattered 4 KiB pieces, which the hardware prefetcher does
                  * not follow): a slice of it per key, so that its loads overlap this block's arithmetic. */
-                const float *next_k = start + BLOCK < end
+                const kv_t *next_k = start + BLOCK < end
                     ? k_pool + (h * num_blocks + table[start / BLOCK + 1]) * BLOCK * HEAD_DIM : NULL;
                 float s[GROUP][BLOCK];
                 for (int g = 0; g < GROUP; g++)
                     for (int t = 0; t < BLOCK; t++) s[g][t] = -INFINITY;
                 for (int t = lo; t < hi; t++) {
                     if (next_k)
-                        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 16) {
+                        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 64 / sizeof(kv_t)) {
                             __builtin_prefetch(next_k + i);
                             __builtin_prefetch(v_pool + (next_k - k_pool) + i);
                         }
                     vec k[CHUNKS];
-                    for (int c = 0; c < CHUNKS; c++) k[c] = load(kb + t * HEAD_DIM + c * VEC);
+                    for (int c = 0; c < CHUNKS; c++) k[c] = load_kv(kb + t * HEAD_DIM + c * VEC);
                     for (int g = 0; g < GROUP; g++) {
                         vec dot = qs[g][0] * k[0];
                         for (int c = 1; c < CHUNKS; c++) dot += qs[g][c] * k[c];
@@ -144,7 +162,7 @@ void paged_decode_f32(const float *q, const float *k_pool, const float *v_pool, 
                 }
                 for (int t = lo; t < hi; t++) {
                     vec v[CHUNKS];
-                    for (int c = 0; c < CHUNKS; c++) v[c] = load(vb + t * HEAD_DIM + c * VEC);
+                    for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vb + t * HEAD_DIM + c * VEC);
                     for (int g = 0; g < GROUP; g++)
                         for (int c = 0; c < CHUNKS; c++) acc[g][c] += s[g][t] * v[c];
                 }

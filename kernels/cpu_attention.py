@@ -33,27 +33,30 @@ class NativeKernelUnavailable(RuntimeError):
     """The native kernel cannot run here; the message says why."""
 
 
-class PagedDecodeKernel:
-    """The compiled kernel for one (head_dim, group, block_size): float32 pools only."""
+KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads (bfloat16: -DKV_BF16)
 
-    def __init__(self, library: ctypes.CDLL, head_dim: int, group: int, block_size: int):
-        self.head_dim, self.group, self.block_size = head_dim, group, block_size
-        self._fn = library.paged_decode_f32
+
+class PagedDecodeKernel:
+    """The compiled kernel for one (head_dim, group, block_size, pool dtype)."""
+
+    def __init__(self, library: ctypes.CDLL, head_dim: int, group: int, block_size: int, kv_dtype: torch.dtype):
+        self.head_dim, self.group, self.block_size, self.kv_dtype = head_dim, group, block_size, kv_dtype
+        self._fn = library.paged_decode
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
             ctypes.c_int64] * 3 + [ctypes.c_float]
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, first: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [rows, Hq, D] over pools [Hkv, num_blocks, block_size, D]: row r sees its keys at positions
-        first[r] .. lens[r] - 1 through block table tables[r] (int64). Returns [rows, Hq, D] float32."""
+        """q [rows, Hq, D] float32 over pools [Hkv, num_blocks, block_size, D]: row r sees its keys at
+        positions first[r] .. lens[r] - 1 through block table tables[r] (int64). Returns [rows, Hq, D] float32."""
         rows, hq, dim = q.shape
         hkv, num_blocks, block_size, _ = k_pool.shape
         if (dim, hq // hkv, block_size) != (self.head_dim, self.group, self.block_size):
             raise ValueError(f"kernel built for head_dim/group/block {self.head_dim}/{self.group}/"
                              f"{self.block_size}, called with {dim}/{hq // hkv}/{block_size}")
-        for name, t, dtype in (("q", q, torch.float32), ("k_pool", k_pool, torch.float32),
-                               ("v_pool", v_pool, torch.float32), ("tables", tables, torch.int64),
+        for name, t, dtype in (("q", q, torch.float32), ("k_pool", k_pool, self.kv_dtype),
+                               ("v_pool", v_pool, self.kv_dtype), ("tables", tables, torch.int64),
                                ("lens", lens, torch.int64), ("first", first, torch.int64)):
             if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
@@ -87,28 +90,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels")
 
 
-def load_paged_decode(head_dim: int, group: int, block_size: int) -> PagedDecodeKernel:
-    """The kernel for this shape, built on first use (and cached on disk); NativeKernelUnavailable if not."""
+def load_paged_decode(head_dim: int, group: int, block_size: int,
+                      kv_dtype: torch.dtype = torch.float32) -> PagedDecodeKernel:
+    """The kernel for this shape and pool dtype, built on first use (and cached on disk);
+    NativeKernelUnavailable if not."""
     if os.environ.get("PIPELINE_NATIVE_ATTENTION", "").lower() in ("0", "off", "false", "no"):
         raise NativeKernelUnavailable("PIPELINE_NATIVE_ATTENTION is off")
-    outcome = _kernel_or_reason(head_dim, group, block_size)
+    outcome = _kernel_or_reason(head_dim, group, block_size, kv_dtype)
     if isinstance(outcome, str):
         raise NativeKernelUnavailable(outcome)
     return outcome
 
 
 @cache
-def _kernel_or_reason(head_dim: int, group: int, block_size: int) -> PagedDecodeKernel | str:
+def _kernel_or_reason(head_dim: int, group: int, block_size: int, kv_dtype: torch.dtype) -> PagedDecodeKernel | str:
     """Built once per process and shape; a failure is remembered too, so it is not retried per engine."""
     if head_dim % VECTOR_FLOATS or block_size % VECTOR_FLOATS or not 1 <= group <= MAX_GROUP:
         return (f"head_dim {head_dim} and block_size {block_size} must be multiples of {VECTOR_FLOATS}, "
                 f"and query heads per KV head ({group}) at most {MAX_GROUP}")
+    if kv_dtype not in KV_DTYPES:
+        return f"KV pools in {kv_dtype} (the kernel reads {' or '.join(map(str, KV_DTYPES))})"
     if "avx2" not in _cpu_identity().split():
         return "this CPU has no AVX2"
     compiler = c_compiler()
     if compiler is None:
         return "no C compiler ($CC, gcc or cc) is installed"
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}")
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}",
+               *(["-DKV_BF16"] if kv_dtype == torch.bfloat16 else []))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, *FLAGS, *defines,
                                     _cpu_identity()]).encode()).hexdigest()[:20]
@@ -116,7 +124,7 @@ def _kernel_or_reason(head_dim: int, group: int, block_size: int) -> PagedDecode
     try:
         if not library.exists():
             _build(compiler, defines, library)
-        return PagedDecodeKernel(ctypes.CDLL(str(library)), head_dim, group, block_size)
+        return PagedDecodeKernel(ctypes.CDLL(str(library)), head_dim, group, block_size, kv_dtype)
     except (OSError, subprocess.SubprocessError) as e:
         return f"building or loading {library} failed: {e}"
 

@@ -105,6 +105,8 @@ class ModelSection:
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
     quant_w8a8_rows: int | None = 16  # int8/int4/gguf: steps of >= this many tokens run W8A8; null: never
     quant_lm_head: str = "auto"  # LM head in W8A8 steps: int8 | bf16 | none | auto (bf16 where native, else int8)
+    # KV cache: auto | float32 | bfloat16; auto = bfloat16 for quantized float32 models on CPU, else model dtype
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -241,6 +243,15 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if on_cuda else "float32"
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, quant: str, model_dtype: str) -> str:
+    """model.kv_cache_dtype with `auto` resolved: bfloat16 for a quantized float32 model (half the bytes
+    decode attention reads, on a path that is approximate already), else the model's dtype (the exact
+    float32 job stays exact)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "bfloat16" if quant != "none" and model_dtype == "float32" else model_dtype
+
+
 def model_identity(path: str) -> dict[str, Any]:
     """Path and byte sizes of a model file or directory: cheap, and changes when the weights are replaced."""
     if os.path.isdir(path):
@@ -356,6 +367,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     if schema.model.quant_w8a8_rows is not None:
         _positive("model.quant_w8a8_rows", schema.model.quant_w8a8_rows)
     _choice("model.quant_lm_head", schema.model.quant_lm_head, LM_HEAD_CHOICES)
+    _choice("model.kv_cache_dtype", schema.model.kv_cache_dtype, ("auto", "float32", "bfloat16"))
     _choice("model.quant_group_size", schema.model.quant_group_size, QUANT_GROUP_SIZES)
     _choice("progress.mode", schema.progress.mode, PROGRESS_MODES)
     _positive("progress.log_every_s", schema.progress.log_every_s)

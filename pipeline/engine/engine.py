@@ -74,6 +74,9 @@ class Engine:
         if self.device.type == "cuda" and self.model.tp.size == 1:  # Triton attention, CUDA graphs
             from pipeline.engine.gpu_runner import GpuRunner
 
+            if self.model.kv_dtype != self.model.dtype:
+                raise ValueError(f"a {self.model.kv_dtype} KV cache for a {self.model.dtype} model runs on CPU only: "
+                                 "on CUDA set model.kv_cache_dtype to the model dtype (or auto)")
             self.runner = GpuRunner(self.model, num_blocks, config.block_size, self.device, config.cuda_graphs,
                                     config.max_batch_size, self.max_model_len)
         else:

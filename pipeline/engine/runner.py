@@ -125,8 +125,9 @@ class PagedAttention:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, scale: float, window: int | None = None,
                  native_group: int | None = None):
-        """native_group: query heads per KV head, to run decode rows through the native CPU kernel
-        (`kernels.cpu_attention`) where it builds for these pools; None keeps torch's path."""
+        """dtype: the pools' (the KV cache dtype; queries may be wider). native_group: query heads per KV
+        head, to run the rows through the native CPU kernel (`kernels.cpu_attention`) where it builds for
+        these pools; None keeps torch's path."""
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.native = None if native_group is None else native_decode_kernel(head_dim, native_group, block_size,
                                                                               dtype, device)
@@ -234,11 +235,13 @@ class PagedAttention:
         kp, vp = self.k[layer], self.v[layer]
         hkv, nb, bs, dim = kp.shape
         flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
-        flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-        flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(kp.dtype))
+        flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(vp.dtype))
+        model_dtype = q.dtype  # the kernel computes in float32, torch's path in the queries' dtype
+        q = q.float() if self.native is not None else q
         d = self.num_rows
         if d == q.shape[0]:  # decodes only (the steady state): no output assembly needed
-            out = self._decode(q, kp, vp)
+            out = self._decode(q, kp, vp).to(model_dtype)
             self.attention_seconds += time.perf_counter() - t0
             return out
         out = torch.empty_like(q)
@@ -247,9 +250,10 @@ class PagedAttention:
         for lo, hi, length, rows in self._prefills:
             ks = kp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
             vs = vp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a narrower cache is widened, not the queries narrowed
             out[lo:hi] = causal_attention(q[lo:hi], ks, vs, length - (hi - lo), self.scale, self.window)
         self.attention_seconds += time.perf_counter() - t0
-        return out
+        return out.to(model_dtype)
 
     def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
         """Each query row over its own keys: [d, Hq, D] -> [d, Hq, D]."""
@@ -266,10 +270,11 @@ class PagedAttention:
         size = rows.numel() * width
         keys = torch.index_select(kp.view(-1, width), 0, rows, out=self._key_buf[:size].view(-1, width))
         values = torch.index_select(vp.view(-1, width), 0, rows, out=self._value_buf[:size].view(-1, width))
-        keys, values = keys.view(hkv * d, -1, dim), values.view(hkv * d, -1, dim)  # [Hkv * d, L, D]
+        keys = keys.view(hkv * d, -1, dim).to(q.dtype)  # [Hkv * d, L, D], widened from a narrower cache
+        values = values.view(hkv * d, -1, dim).to(q.dtype)
         qg = q.view(d, hkv, group, dim).transpose(0, 1).reshape(hkv * d, group, dim)
         # mask + scale * q k^T in one call (in the model dtype, as causal_attention), softmax in float32.
-        scores = torch.baddbmm(self._decode_mask, qg, keys.transpose(1, 2), alpha=self.scale).float()
+        scores = torch.baddbmm(self._decode_mask.to(q.dtype), qg, keys.transpose(1, 2), alpha=self.scale).float()
         if order is None:
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.bmm(probs, values)  # [Hkv * d, group, D]
@@ -282,8 +287,8 @@ class PagedAttention:
         qh = qg.view(hkv, d * group, dim)
         pool_k, pool_v = kp.view(-1, width), vp.view(-1, width)
         for lo, hi, pool_rows in self._shared:
-            k_s = pool_k.index_select(0, pool_rows).view(hkv, -1, dim)  # [Hkv, S, D]: read once per group
-            v_s = pool_v.index_select(0, pool_rows).view(hkv, -1, dim)
+            k_s = pool_k.index_select(0, pool_rows).view(hkv, -1, dim).to(q.dtype)  # [Hkv, S, D]: once per group
+            v_s = pool_v.index_select(0, pool_rows).view(hkv, -1, dim).to(q.dtype)
             part = slice(lo * group, hi * group)
             shared_scores = torch.bmm(qh[:, part], k_s.transpose(1, 2)).mul_(self.scale).float()
             p = torch.softmax(torch.cat([shared_scores, own[:, part]], dim=-1), dim=-1)
@@ -300,11 +305,11 @@ class PagedAttention:
 
 def native_decode_kernel(head_dim: int, group: int, block_size: int, dtype: torch.dtype,
                          device: torch.device) -> PagedDecodeKernel | None:
-    """The native CPU decode attention for float32 pools on CPU, or None (logged, with the reason)."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """The native decode attention for pools of `dtype` on CPU, or None (logged, with the reason)."""
+    if device.type != "cpu":
         return None
     try:
-        return load_paged_decode(head_dim, group, block_size)
+        return load_paged_decode(head_dim, group, block_size, dtype)
     except NativeKernelUnavailable as e:
         log.info("decode attention runs on torch ops: the native CPU kernel is unavailable (%s)", e)
         return None
@@ -353,7 +358,7 @@ class Runner:
         self.device = device
         self.attn = PagedAttention(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads // model.tp.size, cfg.head_dim,
-            model.dtype, device, model.scale, cfg.sliding_window, native_group=cfg.num_heads // cfg.num_kv_heads,
+            model.kv_dtype, device, model.scale, cfg.sliding_window, native_group=cfg.num_heads // cfg.num_kv_heads,
         )
 
     @torch.inference_mode()
@@ -381,5 +386,5 @@ RunnerFactory = Callable[[LlamaModel, int, int, torch.device], StepRunner]
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     """Bytes one block takes across all layers (K and V) on this rank."""
     cfg = model.config
-    elem = torch.empty((), dtype=model.dtype).element_size()
+    elem = torch.empty((), dtype=model.kv_dtype).element_size()
     return 2 * cfg.num_layers * block_size * (cfg.num_kv_heads // model.tp.size) * cfg.head_dim * elem

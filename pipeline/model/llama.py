@@ -111,6 +111,7 @@ class LlamaModel(nn.Module):
         self.config = cfg
         self.tp = tp
         self.dtype = dtype
+        self.kv_dtype = dtype  # the KV cache's (load_model's kv_dtype): may be narrower than the activations
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -102,6 +102,7 @@ def load_model(
     quant_group_size: int = 32,
     w8a8_rows: int | None = None,
     quant_lm_head: str = "int8",
+    kv_dtype: torch.dtype | None = None,
 ) -> LoadedModel:
     """Build the Llama model of `path` (default: SmolLM2) with its weights in `dtype` on `device`.
 
@@ -109,6 +110,7 @@ def load_model(
     `quant` (none, int8, int4, gguf, w8a8) stores the linear layers quantized (pipeline.model.quant);
     `quant_group_size` is the int4 group; weight-only schemes run steps of >= `w8a8_rows` tokens in W8A8
     (None: never), and `quant_lm_head` (int8, bf16, none) is the LM head's kernel in those steps.
+    `kv_dtype` is the KV cache's dtype (None: `dtype`).
     """
     if quant not in QUANT_SCHEMES:
         raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_SCHEMES})")
@@ -125,5 +127,6 @@ def load_model(
         model.load_weights(ckpt.tensors(dtype))
     else:
         load_quantized(model, ckpt, quant, quant_group_size, w8a8_rows, quant_lm_head)
+    model.kv_dtype = kv_dtype or dtype
     model.eval()
     return LoadedModel(model, tokenizer, ckpt.config, ckpt.name, str(ckpt.path))

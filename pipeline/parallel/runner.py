@@ -51,10 +51,11 @@ class ShardSpec:
     quant_group_size: int = 32
     w8a8_rows: int | None = None
     quant_lm_head: str = "int8"
+    kv_dtype: torch.dtype | None = None
 
     def load(self, group: TPGroup, device: str) -> LoadedModel:
         return load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size,
-                          self.w8a8_rows, self.quant_lm_head)
+                          self.w8a8_rows, self.quant_lm_head, self.kv_dtype)
 
     def build(self, group: TPGroup, device: str) -> RunnerWorker:
         return RunnerWorker(self.load(group, device).model, torch.device(device))

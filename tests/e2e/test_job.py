@@ -245,11 +245,13 @@ def test_list_and_map_sampling_columns(tmp_path, tiny_model_dir, tiny_loaded):
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, quant):
     """`model.quant` reaches the loader: fewer weight bytes, and the job's tokens are the plain greedy
-    decode of the same quantized model."""
+    decode of the same quantized model (over a float32 KV cache, as the reference keeps its keys)."""
     n_rows = write_shards(tmp_path / "in")
     out = tmp_path / "out"
     metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, f"model.quant={quant}",
-                      "model.quant_w8a8_rows=null", "output.token_ids=true"), stdout=io.StringIO())
+                      "model.quant_w8a8_rows=null", "model.kv_cache_dtype=float32", "output.token_ids=true"),
+                  stdout=io.StringIO())
+    assert metrics["model"]["kv_cache_dtype"] == "float32"
     assert metrics["weight_bytes"] < tiny_loaded.weight_bytes
     assert metrics["model"]["kernel_steps"] == {quant: metrics["steps"]}
     df = pl.read_parquet(out / "*.parquet").sort("id")
@@ -269,17 +271,20 @@ HARDWARE = ("hardware.probe=false", "hardware.bandwidth_tbs=0.02", "hardware.mem
 @pytest.mark.parametrize("quant", ["w8a8", "auto"])
 def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
     """W8A8 runs every step in int8 (per-row activation scales: batching does not change a row's
-    arithmetic), so the job's tokens are the plain greedy decode of the W8A8 model; auto records its
-    choice and which kernel ran how many steps."""
+    arithmetic), so the job's tokens are the plain greedy decode of the W8A8 model (with a float32 KV cache,
+    as the reference's); auto records its choice and which kernel ran how many steps, and keeps a bfloat16
+    KV cache."""
     write_shards(tmp_path / "in")
     out = tmp_path / "out"
+    exact_kv = ["model.kv_cache_dtype=float32"] if quant == "w8a8" else []
     metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, f"model.quant={quant}",
-                      "output.token_ids=true", *HARDWARE), stdout=io.StringIO())
+                      "output.token_ids=true", *exact_kv, *HARDWARE), stdout=io.StringIO())
     model = metrics["model"]
     assert sum(model["kernel_steps"].values()) == metrics["steps"]
     assert model["compiled_layers"]  # engine.compile=auto compiles quantized models on CPU
     if quant == "auto":
         assert model["quant_auto"]["scheme"] == model["quant"] and model["quant_auto"]["reason"]
+        assert model["kv_cache_dtype"] == "bfloat16"
         return
     assert model["kernel_steps"] == {"w8a8": metrics["steps"]}
     reference = load_model(tiny_model_dir, quant="w8a8", quant_lm_head=model["quant_lm_head"])

@@ -14,9 +14,10 @@ from kernels.paged_attention_reference import attention_part, gather_keys, paged
 from pipeline.engine.runner import PagedAttention, StepBatch
 
 
-def kernel_or_skip(head_dim: int, group: int, block: int) -> cpu_attention.PagedDecodeKernel:
+def kernel_or_skip(head_dim: int, group: int, block: int,
+                   kv_dtype: torch.dtype = torch.float32) -> cpu_attention.PagedDecodeKernel:
     try:
-        return load_paged_decode(head_dim, group, block)
+        return load_paged_decode(head_dim, group, block, kv_dtype)
     except NativeKernelUnavailable as e:
         pytest.skip(f"native kernel unavailable here: {e}")
 
@@ -28,13 +29,16 @@ def scattered_pools(hkv: int, num_blocks: int, block: int, dim: int, seed: int =
     return k, v, torch.randperm(num_blocks, generator=g)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16)])
-def test_matches_reference_over_scattered_blocks(dim, group, block):
-    kernel = kernel_or_skip(dim, group, block)
+def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
+    """bfloat16 pools: the reference reads the same rounded keys, widened; all arithmetic is float32."""
+    kernel = kernel_or_skip(dim, group, block, kv_dtype)
     hkv, rows = 3, 9
     lens = torch.tensor([1, block - 1, block, block + 1, 3 * block, 5 * block + 7, 2, 40, 4 * block - 1])
     width = -(-int(lens.max()) // block) + 1  # one spare column: tables are padded past a row's blocks
     k, v, perm = scattered_pools(hkv, rows * width, block, dim)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
     tables = perm[: rows * width].view(rows, width).contiguous()
     q = torch.randn(rows, hkv * group, dim)
     out = kernel(q, k, v, tables, lens, torch.zeros_like(lens), dim**-0.5)
@@ -85,12 +89,14 @@ def test_wrong_inputs_are_refused_with_their_name():
         kernel(torch.zeros(2, 6, 64), k, k, tables, lens, lens, 1.0)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 20])
-def test_paged_attention_runs_every_query_through_the_kernel(window):
+def test_paged_attention_runs_every_query_through_the_kernel(window, kv_dtype):
     """A step of decodes, a speculating sequence's 5-query chunk and a 30-query prefill chunk, all rows of
     the kernel's pass: the same output as torch's path (batched decode rows, a causal pass for the
-    prefill), with and without a sliding window."""
-    kernel_or_skip(16, 3, 16)
+    prefill), with and without a sliding window. bfloat16 pools under float32 queries: torch's path
+    computes in bfloat16, hence the looser match."""
+    kernel_or_skip(16, 3, 16, kv_dtype)
     block, hkv, dim = 16, 2, 16
     tables = [[3, 9, 4], [7, 1], [12, 2, 8, 5], [20, 21, 22], [30, 31, 32]]
     lens, new = [40, 17, 60, 36, 45], [1, 1, 1, 5, 30]
@@ -110,7 +116,7 @@ def test_paged_attention_runs_every_query_through_the_kernel(window):
     pools = torch.randn(2, hkv, 40, block, dim)
     outs = []
     for group in (3, None):
-        attn = PagedAttention(1, 40, block, hkv, dim, torch.float32, torch.device("cpu"), 0.25, window,
+        attn = PagedAttention(1, 40, block, hkv, dim, kv_dtype, torch.device("cpu"), 0.25, window,
                               native_group=group)
         attn.k[0].copy_(pools[0])
         attn.v[0].copy_(pools[1])
@@ -118,7 +124,9 @@ def test_paged_attention_runs_every_query_through_the_kernel(window):
         attn.prepare(batch)
         assert attn.num_rows == (len(slots) if group else 8)  # torch's pass: the decodes and the 5-query chunk
         outs.append(attn.attend(0, q, k, v))
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        assert outs[-1].dtype == torch.float32 and attn.k[0].dtype == kv_dtype
+    tol = 1e-5 if kv_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
 
 
 def test_build_is_cached_on_disk(tmp_path, monkeypatch):
@@ -155,5 +163,7 @@ def test_shapes_the_kernel_does_not_take_are_refused():
         load_paged_decode(64, 3, 8)
     with pytest.raises(NativeKernelUnavailable, match="at most 16"):
         load_paged_decode(64, 17, 16)
-    # bfloat16 pools keep torch's path
-    assert PagedAttention(1, 4, 16, 3, 64, torch.bfloat16, torch.device("cpu"), 0.125, native_group=3).native is None
+    with pytest.raises(NativeKernelUnavailable, match="float16"):
+        load_paged_decode(64, 3, 16, torch.float16)
+    # such pools keep torch's path
+    assert PagedAttention(1, 4, 16, 3, 64, torch.float16, torch.device("cpu"), 0.125, native_group=3).native is None

@@ -1,0 +1,77 @@
+"""A bfloat16 KV cache under a float32 model (model.kv_cache_dtype): half the bytes per block, logits within
+bfloat16 rounding of the float32 cache's, on the native kernel and on torch's path alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import resolve_kv_dtype
+from pipeline.engine.runner import Runner, StepBatch, kv_bytes_per_block
+from tests.engine.conftest import build_tiny, random_prompts
+
+BLOCK = 16
+
+
+def prefill_then_decode(prompts: list[list[int]], blocks_each: int) -> tuple[StepBatch, StepBatch]:
+    """A prefill of every prompt, then one decode each (token 1), sequence i in blocks i*blocks_each...;
+    logits of each sequence's last row."""
+    def batch(rows: list[tuple[int, list[int], int]], num_decodes: int) -> StepBatch:
+        ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
+        for seq, tokens, first in rows:
+            table = list(range(seq * blocks_each, (seq + 1) * blocks_each))
+            ids += tokens
+            positions += range(first, first + len(tokens))
+            slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, first + len(tokens))]
+            starts.append(starts[-1] + len(tokens))
+            lens.append(first + len(tokens))
+            tables.append(table)
+        return StepBatch(
+            input_ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+            query_start=torch.tensor(starts), context_lens=torch.tensor(lens), block_tables=torch.tensor(tables),
+            num_decodes=num_decodes, logits_rows=torch.tensor(starts[1:]) - 1)
+
+    prefill = batch([(i, p, 0) for i, p in enumerate(prompts)], 0)
+    decode = batch([(i, [1], len(p)) for i, p in enumerate(prompts)], len(prompts))
+    return prefill, decode
+
+
+def rounding(attend):
+    """`attend` storing this step's keys and values rounded to bfloat16 (in a float32 cache)."""
+    return lambda layer, q, k, v: attend(layer, q, k.bfloat16().float(), v.bfloat16().float())
+
+
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_bfloat16_cache_equals_float32_cache_of_rounded_keys(monkeypatch, native):
+    """The reference: a float32 cache holding each step's keys and values rounded to bfloat16. All the
+    arithmetic stays float32, so only rounding order separates the two; the plain float32 cache differs."""
+    if native == "off":
+        monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
+    prompts = random_prompts(6, 20, 60, seed=4)
+    steps = prefill_then_decode(prompts, blocks_each=4)
+    logits, block_bytes = {}, {}
+    for case in ("bfloat16", "rounded", "float32"):
+        tiny = build_tiny(seed=2)
+        tiny.model.kv_dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+        runner = Runner(tiny.model, 6 * 4, BLOCK, torch.device("cpu"))
+        assert runner.attn.k[0].dtype == tiny.model.kv_dtype
+        if native == "off":
+            assert runner.attn.native is None
+        if case == "rounded":
+            runner.attn.attend = rounding(runner.attn.attend)
+        logits[case] = [runner.execute(step) for step in steps]
+        block_bytes[case] = kv_bytes_per_block(tiny.model, BLOCK)
+    assert block_bytes["bfloat16"] * 2 == block_bytes["float32"]
+    for bf16, rounded, exact in zip(logits["bfloat16"], logits["rounded"], logits["float32"]):
+        assert bf16.dtype == torch.float32
+        scale = float(exact.abs().max())
+        torch.testing.assert_close(bf16, rounded, rtol=0, atol=1e-4 * scale)
+        assert (bf16 - exact).abs().max() > 1e-3 * scale  # the cache really holds bfloat16
+
+
+def test_auto_is_bfloat16_only_for_quantized_float32_models():
+    assert resolve_kv_dtype("auto", "gguf", "float32") == "bfloat16"
+    assert resolve_kv_dtype("auto", "w8a8", "float32") == "bfloat16"
+    assert resolve_kv_dtype("auto", "none", "float32") == "float32"  # the exact job stays exact
+    assert resolve_kv_dtype("auto", "gguf", "bfloat16") == "bfloat16"
+    assert resolve_kv_dtype("float32", "gguf", "float32") == "float32"
