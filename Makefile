@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pipeline $(ARGS)
+	$(BIN)/python -m pipeline $(ARGS)
 
 test: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q $(PYTEST_ARGS)

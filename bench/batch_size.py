@@ -21,6 +21,7 @@ import time
 import torch
 
 from kernels.wq_cpu import native_bf16
+from pipeline.config import resolve_kv_dtype
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -72,11 +73,13 @@ def main() -> None:
         quant, rows, head = choice.scheme, choice.w8a8_rows, choice.lm_head
     settings = args.compile.split(",")
     # one model per setting: compiling changes a model for good
-    models = {c: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=head) for c in settings}
+    kv_dtype = getattr(torch, resolve_kv_dtype("auto", quant, "float32"))  # as the job's model.kv_cache_dtype=auto
+    models = {c: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=head, kv_dtype=kv_dtype) for c in settings}
     loaded = models[settings[0]]
     print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "
           f"model.quant={quant} (W8A8 {'at every step' if quant == 'w8a8' else f'from {rows} rows'}, "
-          f"LM head {head})")
+          f"LM head {head}, KV cache {str(kv_dtype).removeprefix('torch.')}); "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     config = EngineConfig(kv_cache_memory=args.kv_cache_memory)
     capacity = config.kv_cache_bytes // kv_bytes_per_block(loaded.model, config.block_size) * config.block_size
     rates = {}

@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--earlier", default="0,2048", help="prefill: keys before the chunk")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}")
+    print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     cases = [("torch", torch.float32, False), ("native", torch.float32, True), ("native", torch.bfloat16, True)]
     g = torch.Generator().manual_seed(1)
     for batch in (int(b) for b in args.batches.split(",")):

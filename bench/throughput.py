@@ -229,7 +229,7 @@ def main() -> None:
     peaks = {"float32": hw.flops["fp32"], "bfloat16": hw.flops["bf16"]}
     best_dtype = max(peaks, key=peaks.get)  # transformers runs in the probe's faster float dtype
     dtype_name = args.dtype if args.dtype != "auto" else best_dtype
-    print(f"cpu flags: {cpu_flags()}")
+    print(f"cpu flags: {cpu_flags()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print(f"load {os.getloadavg()}  threads {torch.get_num_threads()}  bandwidth {hw.bandwidth / 1e9:.1f} GB/s  "
           f"fp32 {peaks['float32'] / 1e9:.0f} / bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s "
           f"(bf16 {'native' if hw.bf16_native else 'emulated'}), int8 {hw.flops['int8'] / 1e9:.0f} GOP/s")
