@@ -71,10 +71,8 @@ class PagedDecodeKernel:
 
 def c_compiler() -> str | None:
     """$CC, else gcc, else cc, if installed."""
-    for name in (os.environ.get("CC"), "gcc", "cc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    found = (shutil.which(name) for name in (os.environ.get("CC"), "gcc", "cc") if name)
+    return next((path for path in found if path), None)
 
 
 def _cpu_identity() -> str:

@@ -6,13 +6,14 @@ single call is everything a tensor-parallel worker needs: every rank executes th
 shard of the model and of the KV cache, and rank 0 samples.
 
 Flat batch layout: sequences in order of their query count: the decodes (one row each) first, then the
-multi-token chunks. Decode attention is one batched matmul over the block tables of all decodes
-(gathered whole blocks, padding masked); short chunks (up to SHORT_CHUNK queries: a speculating
-sequence's guesses) join it with one row per query; longer prefill chunks use `causal_attention` per
-sequence.
+multi-token chunks. On CPU, where `kernels.cpu_attention` builds, every query is a row of its native pass,
+which walks the row's block table in place. Otherwise (torch's path) decode attention is one batched matmul
+over the block tables of all decodes (gathered whole blocks, padding masked); short chunks (up to
+SHORT_CHUNK queries: a speculating sequence's guesses) join it with one row per query; longer prefill
+chunks use `causal_attention` per sequence.
 
-Shared-prefix decode attention: decodes whose block tables start with the same cached blocks (rows of one
-prefix group) read those blocks once per step, in one matmul for the whole group's queries, and gather
+Shared-prefix decode attention (torch's path): decodes whose block tables start with the same cached blocks
+(rows of one prefix group) read those blocks once per step, in one matmul for the whole group's queries, and gather
 only their own remaining blocks; the two partial softmaxes are merged exactly (running max and sum).
 Without it, every row of a group copies the whole shared prefix out of the pool at every layer.
 """
