@@ -73,7 +73,7 @@ def main() -> None:
         quant, rows, head = choice.scheme, choice.w8a8_rows, choice.lm_head
     settings = args.compile.split(",")
     # one model per setting: compiling changes a model for good
-    kv_dtype = getattr(torch, resolve_kv_dtype("auto", quant, "float32"))  # as the job's model.kv_cache_dtype=auto
+    kv_dtype = getattr(torch, resolve_kv_dtype("auto", quant, "float32", "cpu"))  # as the job's model.kv_cache_dtype=auto
     models = {c: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=head, kv_dtype=kv_dtype) for c in settings}
     loaded = models[settings[0]]
     print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "

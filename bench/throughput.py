@@ -97,7 +97,7 @@ def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int |
     choice) and model.kv_cache_dtype=kv dtype (default auto, resolved as the job does)."""
     quant, _, kv = mode.partition("/")
     scheme = auto_choice.scheme if quant == "auto" else quant
-    kv_dtype = getattr(torch, resolve_kv_dtype(kv or "auto", scheme, str(dtype).removeprefix("torch.")))
+    kv_dtype = getattr(torch, resolve_kv_dtype(kv or "auto", scheme, str(dtype).removeprefix("torch."), "cpu"))
     if quant == "none":
         return load_model(path, dtype, kv_dtype=kv_dtype)
     return load_model(path, dtype, quant=scheme, w8a8_rows=auto_choice.w8a8_rows if quant == "auto" else w8a8_rows,

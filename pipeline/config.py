@@ -106,6 +106,7 @@ class ModelSection:
     quant_w8a8_rows: int | None = 16  # int8/int4/gguf: steps of >= this many tokens run W8A8; null: never
     quant_lm_head: str = "auto"  # LM head in W8A8 steps: int8 | bf16 | none | auto (bf16 where native, else int8)
     # KV cache: auto | float32 | bfloat16; auto = bfloat16 for quantized float32 models on CPU, else model dtype
+    # (resolve_kv_dtype)
     kv_cache_dtype: str = "auto"
 
 
@@ -237,19 +238,24 @@ def resolve_dtype(dtype: str, device: str) -> str:
     tensor-core matmuls), float32 on CPU (exact, and what the CPU kernels run fastest in here)."""
     if dtype != "auto":
         return dtype
-    import torch
-
-    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return "bfloat16" if on_cuda else "float32"
+    return "bfloat16" if _on_cuda(device) else "float32"
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, quant: str, model_dtype: str) -> str:
-    """model.kv_cache_dtype with `auto` resolved: bfloat16 for a quantized float32 model (half the bytes
-    decode attention reads, on a path that is approximate already), else the model's dtype (the exact
-    float32 job stays exact)."""
+def resolve_kv_dtype(kv_cache_dtype: str, quant: str, model_dtype: str, device: str) -> str:
+    """model.kv_cache_dtype with `auto` resolved: bfloat16 for a quantized float32 model on CPU (half the
+    bytes decode attention reads, on a path that is approximate already), else the model's dtype (the exact
+    float32 job stays exact; the CUDA runner keeps its cache in the model dtype)."""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    return "bfloat16" if quant != "none" and model_dtype == "float32" else model_dtype
+    narrow = quant != "none" and model_dtype == "float32" and not _on_cuda(device)
+    return "bfloat16" if narrow else model_dtype
+
+
+def _on_cuda(device: str) -> bool:
+    """Whether engine.device means a GPU (`auto`: when one is available)."""
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def model_identity(path: str) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def _model_options(cfg: JobConfig, quant: QuantChoice | None = None) -> dict[str
         scheme, rows, head = quant.scheme, quant.w8a8_rows, quant.lm_head if head == "auto" else head
     elif head == "auto":
         head = "bf16" if _bf16_native(cfg.engine.device) else "int8"
-    kv_dtype = resolve_kv_dtype(cfg.model.kv_cache_dtype, scheme, cfg.model_dtype)
+    kv_dtype = resolve_kv_dtype(cfg.model.kv_cache_dtype, scheme, cfg.model_dtype, cfg.engine.device)
     return {"dtype": getattr(torch, cfg.model_dtype), "device": cfg.engine.device, "quant": scheme,
             "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel,
             "w8a8_rows": rows, "quant_lm_head": head, "kv_dtype": getattr(torch, kv_dtype)}
@@ -286,6 +286,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         hardware = hardware_profile(cfg.resolved["hardware"])
     quant = _choose_quant(cfg, model_path, hardware) if cfg.model.quant == "auto" else None
     options = _model_options(cfg, quant)
+    kv_dtype = str(options["kv_dtype"]).removeprefix("torch.")
     try:
         sharded = resources.enter_context(open_model(model_path, **options))
     except (OSError, ValueError, KeyError) as e:
@@ -310,7 +311,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         # W8A8 steps: int8 weights and the int8 peak (where the hardware profile has one)
         int8 = int8 and "int8" in hardware.flops
         roof = Roofline.of(loaded.config, hardware, cfg.model_dtype, tp=cfg.engine.tensor_parallel,
-                           weights="int8" if int8 else None, kv_dtype=str(options["kv_dtype"]).removeprefix("torch."),
+                           weights="int8" if int8 else None, kv_dtype=kv_dtype,
                            compute_dtype="int8" if int8 else None)
     recorder = RunRecorder(roof, interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
@@ -372,7 +373,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "model": {"name": model_name, "path": model_path, "loaded_name": loaded.name,
                   "dtype": cfg.model_dtype, "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
                   "quant_lm_head": options["quant_lm_head"],
-                  "kv_cache_dtype": str(options["kv_dtype"]).removeprefix("torch."),
+                  "kv_cache_dtype": kv_dtype,
                   "quant_auto": None if quant is None else quant.as_dict(),
                   "kernel_steps": dict(getattr(loaded.model.kernel_choice, "steps", {})),
                   "compiled_layers": bool(getattr(loaded.model, "compiled", False))},

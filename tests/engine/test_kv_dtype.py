@@ -69,9 +69,10 @@ def test_bfloat16_cache_equals_float32_cache_of_rounded_keys(monkeypatch, native
         assert (bf16 - exact).abs().max() > 1e-3 * scale  # the cache really holds bfloat16
 
 
-def test_auto_is_bfloat16_only_for_quantized_float32_models():
-    assert resolve_kv_dtype("auto", "gguf", "float32") == "bfloat16"
-    assert resolve_kv_dtype("auto", "w8a8", "float32") == "bfloat16"
-    assert resolve_kv_dtype("auto", "none", "float32") == "float32"  # the exact job stays exact
-    assert resolve_kv_dtype("auto", "gguf", "bfloat16") == "bfloat16"
-    assert resolve_kv_dtype("float32", "gguf", "float32") == "float32"
+def test_auto_is_bfloat16_only_for_quantized_float32_models_on_cpu():
+    assert resolve_kv_dtype("auto", "gguf", "float32", "cpu") == "bfloat16"
+    assert resolve_kv_dtype("auto", "w8a8", "float32", "cpu") == "bfloat16"
+    assert resolve_kv_dtype("auto", "none", "float32", "cpu") == "float32"  # the exact job stays exact
+    assert resolve_kv_dtype("auto", "gguf", "bfloat16", "cpu") == "bfloat16"
+    assert resolve_kv_dtype("auto", "int8", "float32", "cuda:0") == "float32"  # the CUDA runner's cache
+    assert resolve_kv_dtype("float32", "gguf", "float32", "cpu") == "float32"
