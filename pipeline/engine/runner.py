@@ -275,7 +275,9 @@ class PagedAttention:
         values = values.view(hkv * d, -1, dim).to(q.dtype)
         qg = q.view(d, hkv, group, dim).transpose(0, 1).reshape(hkv * d, group, dim)
         # mask + scale * q k^T in one call (in the model dtype, as causal_attention), softmax in float32.
-        scores = torch.baddbmm(self._decode_mask.to(q.dtype), qg, keys.transpose(1, 2), alpha=self.scale).float()
+        if self._decode_mask.dtype != q.dtype:  # a narrower cache: the mask follows the queries, once a step
+            self._decode_mask = self._decode_mask.to(q.dtype)
+        scores = torch.baddbmm(self._decode_mask, qg, keys.transpose(1, 2), alpha=self.scale).float()
         if order is None:
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.bmm(probs, values)  # [Hkv * d, group, D]
