@@ -71,9 +71,20 @@ static inline vec load_kv(const kv_t *p)
     memcpy(&h, p, sizeof h);
     return (vec)(__builtin_convertvector(h, uvec) << 16);
 }
+/* float32 -> bfloat16, rounded to nearest even (NaN stays a quiet NaN), as torch rounds. */
+static inline void store_kv(kv_t *p, vec x)
+{
+    const uvec u = (uvec)x;
+    const uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uvec nan = (uvec)(x != x);
+    const uvec out = (rounded & ~nan) | (0x7fc0u & nan);
+    const hvec h = __builtin_convertvector(out, hvec);
+    memcpy(p, &h, sizeof h);
+}
 #else
 typedef float kv_t;
 static inline vec load_kv(const kv_t *p) { return load(p); }
+static inline void store_kv(kv_t *p, vec x) { memcpy(p, &x, sizeof x); }
 #endif
 
 static inline vec vmax(vec a, vec b) { return (vec)VMAX((native_vec)a, (native_vec)b); }
@@ -96,6 +107,25 @@ static inline vec vexp(vec x)
     p = p * r * r + r + 1.0f;
     const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23; /* 2^n */
     return (vec)((ivec)(p * (vec)bits) & live);
+}
+
+/* The step's new keys and values into their slots: k and v are float32 [n, num_kv_heads, HEAD_DIM], token i
+ * goes to slot slots[i] (block * BLOCK + offset) of every head's pool, converted to the pool's dtype. One
+ * pass instead of a cast and an index_copy per pool. */
+void paged_write(const float *k, const float *v, const int64_t *slots, int64_t n, kv_t *k_pool, kv_t *v_pool,
+                 int64_t num_kv_heads, int64_t num_blocks)
+{
+#pragma omp parallel for collapse(2) if (n * num_kv_heads > 4096)
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t src = (i * num_kv_heads + h) * HEAD_DIM;
+            const int64_t dst = (h * num_blocks * BLOCK + slots[i]) * HEAD_DIM;
+            for (int c = 0; c < HEAD_DIM; c += VEC) {
+                store_kv(k_pool + dst + c, load(k + src + c));
+                store_kv(v_pool + dst + c, load(v + src + c));
+            }
+        }
+    }
 }
 
 /* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. */

@@ -1,4 +1,5 @@
-"""Build, cache and call the native CPU paged decode attention (`kernels/cpu_attention.c`).
+"""Build, cache and call the native CPU paged attention (`kernels/cpu_attention.c`): the decode pass, and
+the write of each step's new keys and values into the pools.
 
 The C source is compiled once per (head_dim, query group, block size, compiler, CPU) with the system C
 compiler (`$CC`, else `gcc`/`cc`) and `-march=native`, cached under `$PIPELINE_KERNEL_CACHE` (default
@@ -37,7 +38,7 @@ KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads (bfl
 
 
 class PagedDecodeKernel:
-    """The compiled kernel for one (head_dim, group, block_size, pool dtype)."""
+    """The compiled kernels for one (head_dim, group, block_size, pool dtype)."""
 
     def __init__(self, library: ctypes.CDLL, head_dim: int, group: int, block_size: int, kv_dtype: torch.dtype):
         self.head_dim, self.group, self.block_size, self.kv_dtype = head_dim, group, block_size, kv_dtype
@@ -45,6 +46,25 @@ class PagedDecodeKernel:
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
             ctypes.c_int64] * 3 + [ctypes.c_float]
+        self._write = library.paged_write
+        self._write.restype = None
+        self._write.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
+              v_pool: torch.Tensor) -> None:
+        """Store token i's k[i], v[i] ([n, Hkv, D] float32) at slot slots[i] (block * block_size + offset) of
+        the pools, rounded to the pools' dtype as `Tensor.to` rounds."""
+        hkv, num_blocks, block_size, dim = k_pool.shape
+        if (dim, block_size) != (self.head_dim, self.block_size) or k.shape != v.shape or k.shape[1:] != (hkv, dim):
+            raise ValueError(f"kernel built for head_dim/block {self.head_dim}/{self.block_size}, called with "
+                             f"keys {tuple(k.shape)}, values {tuple(v.shape)} and pools {tuple(k_pool.shape)}")
+        for name, t, dtype in (("k", k, torch.float32), ("v", v, torch.float32), ("slots", slots, torch.int64),
+                               ("k_pool", k_pool, self.kv_dtype), ("v_pool", v_pool, self.kv_dtype)):
+            _check(name, t, dtype)
+        if slots.shape != (k.shape[0],):
+            raise ValueError(f"slots must have {k.shape[0]} entries, got {tuple(slots.shape)}")
+        self._write(k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0], k_pool.data_ptr(), v_pool.data_ptr(),
+                    hkv, num_blocks)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, first: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,8 +78,7 @@ class PagedDecodeKernel:
         for name, t, dtype in (("q", q, torch.float32), ("k_pool", k_pool, self.kv_dtype),
                                ("v_pool", v_pool, self.kv_dtype), ("tables", tables, torch.int64),
                                ("lens", lens, torch.int64), ("first", first, torch.int64)):
-            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
+            _check(name, t, dtype)
         if tables.shape[0] != rows or lens.shape != (rows,) or first.shape != (rows,):
             raise ValueError(f"tables/lens/first must have {rows} rows, got {tuple(tables.shape)}, "
                              f"{tuple(lens.shape)}, {tuple(first.shape)}")
@@ -67,6 +86,12 @@ class PagedDecodeKernel:
         self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.shape[1],
                  lens.data_ptr(), first.data_ptr(), out.data_ptr(), rows, hkv, num_blocks, scale)
         return out
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """The kernels take raw pointers: every tensor must be contiguous, on the CPU, of the dtype they read."""
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
 
 
 def c_compiler() -> str | None:

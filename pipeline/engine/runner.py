@@ -235,9 +235,12 @@ class PagedAttention:
         batch = self.batch
         kp, vp = self.k[layer], self.v[layer]
         hkv, nb, bs, dim = kp.shape
-        flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
-        flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(kp.dtype))
-        flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(vp.dtype))
+        if self.native is not None:  # cast and scatter in one native pass
+            self.native.write(k.float().contiguous(), v.float().contiguous(), batch.slot_mapping, kp, vp)
+        else:
+            flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
+            flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(kp.dtype))
+            flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(vp.dtype))
         model_dtype = q.dtype  # the kernel computes in float32, torch's path in the queries' dtype
         q = q.float() if self.native is not None else q
         d = self.num_rows

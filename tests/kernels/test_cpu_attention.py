@@ -79,6 +79,29 @@ def test_large_score_spread_stays_exact():
                                paged_decode_reference(q, k, v, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [5, 2000])  # one thread, and the threaded pass
+def test_write_matches_cast_and_index_copy(kv_dtype, tokens):
+    """Exactly what `Tensor.to` + `index_copy_` store, rounding ties, tiny and huge values, infinities and
+    NaN included; slots not written stay as they were."""
+    kernel = kernel_or_skip(64, 3, 16, kv_dtype)
+    hkv, num_blocks, block, dim = 3, 160, 16, 64
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(tokens, hkv, dim, generator=g) * 10 ** torch.randint(-30, 30, (tokens, hkv, dim), generator=g)
+    v = torch.randn(tokens, hkv, dim, generator=g)
+    # exact bfloat16 ties (halfway between two bfloat16 values, both parities) and specials
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0000001, float("nan"), float("inf"), -0.0, 1e-40])
+    k.view(-1)[: len(ties)] = ties
+    slots = torch.randperm(num_blocks * block, generator=g)[:tokens]
+    pools = [torch.randn(hkv, num_blocks, block, dim, generator=g).to(kv_dtype) for _ in range(2)]
+    expected = [p.clone() for p in pools]
+    for pool, new in zip(expected, (k, v)):
+        pool.view(hkv, -1, dim).index_copy_(1, slots, new.transpose(0, 1).to(kv_dtype))
+    kernel.write(k, v, slots, *pools)
+    for got, want in zip(pools, expected):  # exact; a NaN may carry other payload bits
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_wrong_inputs_are_refused_with_their_name():
     kernel = kernel_or_skip(64, 3, 16)
     k = torch.zeros(3, 4, 16, 64)
