@@ -100,6 +100,30 @@ def adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     return penalize(logits, seqs)
 
 
+ARGMAX_CHUNK = 1024
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` for [R, V] `x`, the same indices (the first on ties; a NaN wins, as there).
+
+    On CPU torch's argmax is a scalar loop (2.7 ms for 128 x 49,152 float32 logits on the development
+    machine) while amax vectorizes: the maximum of each 1,024-wide chunk, the first chunk holding the row's
+    maximum, then argmax inside that chunk only, about 6x faster."""
+    rows, vocab = x.shape
+    chunks = vocab // ARGMAX_CHUNK
+    if x.device.type != "cpu" or chunks < 2:
+        return x.argmax(dim=-1)
+    main = x[:, : chunks * ARGMAX_CHUNK].view(rows, chunks, ARGMAX_CHUNK)
+    chunk = main.amax(dim=-1).argmax(dim=-1)
+    tokens = chunk * ARGMAX_CHUNK + main[torch.arange(rows), chunk].argmax(dim=-1)
+    if chunks * ARGMAX_CHUNK == vocab:
+        return tokens
+    tail_max, tail_at = x[:, chunks * ARGMAX_CHUNK :].max(dim=-1)  # later ids win only when strictly larger
+    best = x.gather(1, tokens[:, None]).squeeze(1)
+    later = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
+    return torch.where(later, tail_at + chunks * ARGMAX_CHUNK, tokens)
+
+
 def exponential_draws(seqs: list[Sequence], rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(rows), vocab] Exp(1) numbers, row i from seqs[rows[i]]'s generator, one per vocabulary id."""
     u = torch.stack([torch.rand(vocab, generator=seqs[i].generator) for i in rows]).to(device)
@@ -114,7 +138,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     if allowed is not None or any(s.sampling.logit_bias or s.sampling.min_tokens or s.sampling.penalized
                                   for s in seqs):
         logits = adjust(logits.clone(), seqs, eos_token_ids, allowed)
-    tokens = logits.argmax(dim=-1)
+    tokens = row_argmax(logits)
     sampled_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if sampled_rows:
         params = [seqs[i].sampling for i in sampled_rows]
@@ -130,7 +154,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
                 torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
             )
             by_id = torch.zeros_like(kept).scatter_(1, order, kept)  # kept probabilities in vocabulary order
-        tokens[sampled_rows] = (by_id / exponential_draws(seqs, sampled_rows, by_id.shape[-1], dev)).argmax(dim=-1)
+        tokens[sampled_rows] = row_argmax(by_id / exponential_draws(seqs, sampled_rows, by_id.shape[-1], dev))
     token_list = tokens.tolist()
     return Sampled(token_list, token_logprobs(raw, [s.sampling.logprobs for s in seqs], token_list))
 
@@ -165,7 +189,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     """
     sizes = [1 + len(s.draft) for s in seqs]
     firsts = [sum(sizes[:i]) for i in range(len(seqs))]
-    greedy_tokens = logits.argmax(dim=-1).tolist()
+    greedy_tokens = row_argmax(logits).tolist()
     probs = _filtered_probs(logits, [s.sampling for s, size in zip(seqs, sizes) for _ in range(size)])
     out = []
     for seq, first in zip(seqs, firsts):

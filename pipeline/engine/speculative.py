@@ -23,6 +23,7 @@ import torch
 from pipeline.engine.config import SpeculativeConfig
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.runner import Runner, build_batch
+from pipeline.engine.sampler import row_argmax
 from pipeline.engine.sequence import Sequence
 
 
@@ -85,7 +86,7 @@ class DraftProposer:
             if step:
                 work = [(shadow, 1) for _, shadow, k in active if k > step]
             batch, samplers, _ = build_batch(work, self.block_size)  # prompt-logprob rows, if any, come last
-            tokens = self.runner.execute(batch)[: len(samplers)].argmax(dim=-1).tolist()
+            tokens = row_argmax(self.runner.execute(batch)[: len(samplers)]).tolist()
             for shadow, n in work:
                 shadow.num_computed += n
             by_shadow = dict(zip(samplers, tokens))
