@@ -1,51 +1,32 @@
 """Decode throughput by running batch size, measured on this machine, and the batch it suggests.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/batch_size.py --quant auto --batches 16,32,64,128,256
-    OMP_WAIT_POLICY=PASSIVE python bench/batch_size.py --quant w8a8 --batches 64 --compile off,on  # side by side
+    python bench/batch_size.py --quant auto --batches 16,32,64,128,256
+    python bench/batch_size.py --quant w8a8 --batches 64 --compile off,on  # side by side
 
-For each batch size B: B distinct ~`--prompt-len`-token prompts are prefilled, then `--steps` decode steps
-with all B sequences running are timed (attending over about prompt + `--context-extra` positions, the
-middle of a completion). Prints ms per step and generated tok/s, and suggests `engine.max_batch_size`: the
-smallest B within `--within` of the best tok/s whose KV cache (B x (prompt + --max-tokens) positions) fits
-`--kv-cache-memory`. Why measured: past the ridge point a CPU step is compute bound and the roofline says a
-bigger batch gains nothing, but per-step costs that do not grow with B (Python, dispatch, guards) and
-attention (which does) move the best batch, by machine and quantization.
+The same measurement `engine.max_batch_size=auto` makes at the start of a job
+(`pipeline.engine.batch_tuning.decode_rate`): for each batch size B, B distinct `--prompt-len`-token prompts
+are prefilled, then `--steps` decode steps with all B sequences running are timed. Prints ms per step and
+generated tok/s, and the pick: the smallest B within `--within` of the best tok/s whose KV cache
+(B x (prompt + --max-tokens) positions) fits `--kv-cache-memory`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
 from kernels.wq_cpu import native_bf16
 from pipeline.config import resolve_kv_dtype
+from pipeline.engine.batch_tuning import WITHIN, decode_rate, pick
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
-from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
 from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile
-
-
-def step_seconds(loaded, batch: int, prompt_len: int, context_extra: int, steps: int, kv: str,
-                 compile: str) -> float:
-    """Seconds per decode step with `batch` sequences running at about prompt_len + context_extra positions."""
-    engine = Engine(loaded, EngineConfig(kv_cache_memory=kv, max_batch_size=batch, max_batched_tokens=4096,
-                                         compile=compile))
-    sp = SamplingParams(max_tokens=context_extra + steps + 8, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(Request(i, [100 + (7 * i + j) % 20000 for j in range(prompt_len)], sp))
-    while engine.scheduler.waiting or min(s.num_output_tokens for s in engine.scheduler.running) < context_extra:
-        engine.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    return (time.perf_counter() - t) / steps
 
 
 def main() -> None:
@@ -54,11 +35,10 @@ def main() -> None:
     ap.add_argument("--quant", default="auto", help="model.quant (auto: resolved from this machine's probe)")
     ap.add_argument("--batches", default="16,32,64,128,256")
     ap.add_argument("--prompt-len", type=int, default=48)
-    ap.add_argument("--context-extra", type=int, default=64, help="tokens generated before the timed steps")
     ap.add_argument("--max-tokens", type=int, default=128, help="the job's max_tokens (for the KV check)")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=12, help="timed decode steps per batch size")
     ap.add_argument("--kv-cache-memory", default="2GiB")
-    ap.add_argument("--within", type=float, default=0.05, help="suggest the smallest batch this close to the best")
+    ap.add_argument("--within", type=float, default=WITHIN, help="suggest the smallest batch this close to the best")
     ap.add_argument("--compile", default="auto", help="engine.compile values to measure side by side, e.g. off,on")
     args = ap.parse_args()
     path = args.model or default_model_path()
@@ -85,18 +65,19 @@ def main() -> None:
     rates = {}
     for batch in batches:
         for setting in settings:
-            seconds = step_seconds(models[setting], batch, args.prompt_len, args.context_extra, args.steps,
-                                   args.kv_cache_memory, setting)
-            rates[batch] = max(rates.get(batch, 0.0), batch / seconds)
-            print(f"batch {batch:4d}, engine.compile={setting}: {1e3 * seconds:7.1f} ms/step  "
-                  f"{batch / seconds:7.1f} tok/s", flush=True)
+            engine = Engine(models[setting], EngineConfig(kv_cache_memory=args.kv_cache_memory, max_batch_size=batch,
+                                                          max_batched_tokens=4096, compile=setting))
+            rate = decode_rate(engine, batch, args.prompt_len, args.steps)
+            rates[batch] = max(rates.get(batch, 0.0), rate)
+            print(f"batch {batch:4d}, engine.compile={setting}: {1e3 * batch / rate:7.1f} ms/step  "
+                  f"{rate:7.1f} tok/s", flush=True)
     fits = {b for b in batches if b * (args.prompt_len + args.max_tokens) <= capacity}
-    best = max(rates[b] for b in fits) if fits else None
-    if best is None:
+    if not fits:
         print("no measured batch fits the KV budget")
         return
-    pick = min(b for b in fits if rates[b] >= (1 - args.within) * best)
-    print(f"suggested engine.max_batch_size={pick}: {rates[pick]:.1f} tok/s, within {100 * args.within:.0f}% "
+    best = max(rates[b] for b in fits)
+    suggested = pick({b: rates[b] for b in fits}, args.within)
+    print(f"suggested engine.max_batch_size={suggested}: {rates[suggested]:.1f} tok/s, within {100 * args.within:.0f}% "
           f"of the best {best:.1f} among batches whose KV cache fits {args.kv_cache_memory}; load {os.getloadavg()[0]:.1f}")
 
 

@@ -7,8 +7,8 @@ transformers' best configuration (batch size, attention) is picked by a sweep fi
 rounds every engine mode and transformers run one after the other, so load changes hit all alike. Prints
 the CPU flags and load average, each mode's tok/s, and the ratios to transformers' best:
 
-    OMP_WAIT_POLICY=PASSIVE python bench/throughput.py --workload distinct --modes none,int8,int4,gguf,w8a8,auto
-    OMP_WAIT_POLICY=PASSIVE python bench/throughput.py --workload shared --new-tokens 64 --modes none,w8a8,auto
+    python bench/throughput.py --workload distinct --modes none,int8,int4,gguf,w8a8,auto
+    python bench/throughput.py --workload shared --new-tokens 64 --modes none,w8a8,auto
 
 The model runs in float32 (the job's default), as the job does: `auto` is resolved from this machine's
 probe exactly as `model.quant=auto` is. `--dtype auto` takes bfloat16 only when the probe finds bf16
@@ -109,6 +109,7 @@ def run_engine(loaded, prompts: list[list[int]], args) -> dict:
         kv_cache_memory=args.kv_cache_memory, max_batch_size=args.batch, max_batched_tokens=args.max_batched_tokens,
     )
     engine = Engine(loaded, config)
+    choice = engine.tune_batch_size(args.new_tokens, len(prompts))  # --batch auto: measured, as in a job
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     list(engine.generate(Request(f"warm{i}", p, SamplingParams(max_tokens=4)) for i, p in enumerate(prompts[:4])))
     engine.stats = type(engine.stats)()
@@ -119,7 +120,7 @@ def run_engine(loaded, prompts: list[list[int]], args) -> dict:
     seconds = time.perf_counter() - t0
     tokens = sum(len(v) for v in outputs.values())
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "stats": engine.stats,
-            "outputs": outputs}
+            "outputs": outputs, "batch": engine.max_batch_size, "tuning_s": choice.seconds if choice else 0.0}
 
 
 def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
@@ -212,7 +213,8 @@ def main() -> None:
                          "for model.kv_cache_dtype (default: auto, as the job resolves it)")
     ap.add_argument("--w8a8-rows", type=int, default=16, help="model.quant_w8a8_rows for int8/int4/gguf")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every mode and transformers")
-    ap.add_argument("--batch", type=int, default=64, help="engine.max_batch_size")
+    ap.add_argument("--batch", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="engine.max_batch_size (auto: measured before each engine run, not timed; the job's default)")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
@@ -237,7 +239,8 @@ def main() -> None:
     base = load_model(path, getattr(torch, dtype_name))
     profile = HardwareProfile("cpu", hw.bandwidth, {k: v for k, v in hw.flops.items()}, hw.memory)
     weight_only = "gguf" if str(path).endswith(".gguf") else "int4"
-    auto = choose_quant(base.config, profile, weight_only, hw.bf16_native, args.batch)
+    auto = choose_quant(base.config, profile, weight_only, hw.bf16_native,
+                        EngineConfig(max_batch_size=args.batch).batch_limit)
     print(f"auto -> {auto.scheme}, W8A8 from {auto.w8a8_rows} rows, LM head {auto.lm_head}: {auto.reason}")
     tok = base.tokenizer
     if args.workload == "distinct":
@@ -279,10 +282,12 @@ def main() -> None:
             roof = step_roofline(loaded.config, s, roof_dtype, kv_name, hw.bandwidth, peak)
             step_ms = 1e3 * s.total_time / s.steps
             kernels = dict(loaded.model.kernel_choice.steps) if loaded.model.kernel_choice is not None else {}
-            print(f"round {r} engine {mode:5s}: {eng['tokens_per_s']:7.1f} tok/s  mean batch {s.mean_running_batch:.1f}"
+            print(f"round {r} engine {mode:5s}: {eng['tokens_per_s']:7.1f} tok/s  max_batch_size {eng['batch']} "
+                  f"(measuring {eng['tuning_s']:.1f} s)  mean batch {s.mean_running_batch:.1f}"
                   f"  step {step_ms:.1f} ms = {100 * roof['per_step_ms'] / step_ms:.0f}% of the {roof_dtype} roofline"
                   f"  kernels {kernels}  same tokens as {modes[0]} {100 * agree:.0f}%", flush=True)
-            figures[mode] = {"stats": s.as_dict(), "roofline": roof, "step_ms": step_ms, "kernels": kernels}
+            figures[mode] = {"stats": s.as_dict(), "roofline": roof, "step_ms": step_ms, "kernels": kernels,
+                             "max_batch_size": eng["batch"]}
         ref = run_transformers(hf, prompts, hf_batch, args.new_tokens)
         rates["transformers"].append(ref["tokens_per_s"])
         print(f"round {r} transformers {best_dtype} ({attn}, batch {hf_batch}): {ref['tokens_per_s']:.1f} tok/s  "

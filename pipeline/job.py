@@ -109,7 +109,7 @@ def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile) -> Quant
         raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
     weight_only = "gguf" if model_path.endswith(".gguf") else "int4"
     choice = choose_quant(open_model_file(model_path).config, hw, weight_only, _bf16_native(cfg.engine.device),
-                          cfg.engine.max_batch_size)
+                          cfg.engine.batch_limit)
     log.info("model.quant=auto -> %s (W8A8 from %s rows, LM head %s): %s", choice.scheme, choice.w8a8_rows,
              choice.lm_head, choice.reason)
     return choice
@@ -300,6 +300,9 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     if cfg.sampling.max_tokens >= engine.max_model_len and "max_tokens" not in types:
         raise JobError(f"sampling.max_tokens={cfg.sampling.max_tokens} leaves no room for a prompt in "
                        f"max_model_len={engine.max_model_len}: every row would be an error row")
+    batch_choice = engine.tune_batch_size(cfg.sampling.max_tokens, run_state.todo_rows * cfg.sampling.n)
+    if batch_choice is not None:
+        log.info("engine.max_batch_size=auto: %d (%s)", batch_choice.batch, batch_choice.reason)
     from pipeline.perf.report import RunRecorder, write_report
 
     roof = None
@@ -307,7 +310,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         from pipeline.perf.roofline import Roofline
 
         int8 = options["quant"] == "w8a8" or (options["quant"] != "none" and options["w8a8_rows"] is not None
-                                               and options["w8a8_rows"] <= cfg.engine.max_batch_size)
+                                               and options["w8a8_rows"] <= cfg.engine.batch_limit)
         # W8A8 steps: int8 weights and the int8 peak (where the hardware profile has one)
         int8 = int8 and "int8" in hardware.flops
         roof = Roofline.of(loaded.config, hardware, cfg.model_dtype, tp=cfg.engine.tensor_parallel,
@@ -354,6 +357,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "generated_tokens_per_s": stats.decode_tokens / generate_s,
         "total_tokens_per_s": (stats.prefill_tokens + stats.decode_tokens) / generate_s,
         "mean_batch": stats.mean_running_batch,
+        "max_batch_size": engine.max_batch_size,
+        "max_batch_size_auto": None if batch_choice is None else batch_choice.as_dict(),
         "steps": stats.steps,
         "preemptions": stats.preemptions,
         "evictions": stats.evictions,

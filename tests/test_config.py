@@ -31,7 +31,8 @@ def compose_job(*overrides: str):
 def test_defaults_compose_into_validated_objects():
     job = load_job_config(compose_job())
     assert isinstance(job.sampling, SamplingParams) and isinstance(job.engine, EngineConfig)
-    assert job.engine == EngineConfig()  # the engine section is the engine's own defaults
+    # the engine section is the engine's own defaults, but for the measured batch size (conf/config.yaml)
+    assert job.engine == EngineConfig(max_batch_size="auto")
     assert job.sampling.max_tokens == 64 and job.sampling.temperature == 0  # conf/config.yaml
     assert job.input.path == "data/sample/*.parquet" and job.model.name is None  # the checkpoint's own
     assert job.model.path is None  # null = the installed SmolLM2 GGUF
@@ -62,7 +63,6 @@ def test_overrides_reach_the_objects():
     ("sampling.bogus=1", "bogus"),
     ("input.prompt_colum=text", "prompt_colum"),
     ("sampling.max_tokens=abc", "sampling.max_tokens"),
-    ("engine.max_batch_size=big", "engine.max_batch_size"),
 ])
 def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     with pytest.raises(ConfigCompositionException) as e:
@@ -74,7 +74,8 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("sampling.temperature=-1", "temperature must be a finite number >= 0"),
     ("sampling.top_p=1.5", "top_p must be in (0, 1]"),
     ("sampling.max_tokens=0", "max_tokens must be an integer >= 1"),
-    ("engine.max_batch_size=0", "engine.max_batch_size must be an integer >= 1"),
+    ("engine.max_batch_size=0", "engine.max_batch_size must be an integer >= 1 or auto, got 0"),
+    ("engine.max_batch_size=big", "engine.max_batch_size must be an integer >= 1 or auto, got 'big'"),
     ("engine.kv_cache_memory=lots", "engine.kv_cache_memory"),
     ("engine.device=tpu", "engine.device"),
     ("input.truncate=right", "input.truncate"),

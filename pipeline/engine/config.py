@@ -29,6 +29,7 @@ def parse_bytes(value: str | int, key: str = "kv_cache_memory") -> int:
 
 
 AUTO_CPU_KV_BYTES = 2**30
+BATCH_CANDIDATES = (16, 32, 64, 128, 256)  # what max_batch_size=auto measures
 COMPILE_CHOICES = ("auto", "on", "off")
 
 
@@ -38,12 +39,14 @@ class EngineConfig:
 
     max_model_len=None means the model's max positions (capped by what the KV cache can hold);
     max_waiting=None means 4 x max_batch_size requests read ahead of the running batch.
+    max_batch_size="auto" sizes the engine for the largest candidate of `pipeline.engine.batch_tuning`, and
+    `Engine.tune_batch_size` narrows it to the measured best.
     """
 
     block_size: int = 16
     kv_cache_memory: str | int = "auto"  # auto: from free memory on CUDA (gpu_memory_utilization), 1 GiB on CPU
     max_batched_tokens: int = 512
-    max_batch_size: int = 64
+    max_batch_size: int | str = 64  # or "auto"
     max_model_len: int | None = None
     prefix_caching: bool = True
     device: str = "auto"
@@ -58,8 +61,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for key in ("block_size", "max_batched_tokens", "max_batch_size", "tensor_parallel"):
             value = getattr(self, key)
+            if key == "max_batch_size" and value == "auto":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"engine.{key} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"engine.{key} must be an integer >= 1{' or auto' * (key == 'max_batch_size')}, "
+                                 f"got {value!r}")
         for key in ("max_model_len", "max_waiting"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -90,8 +96,9 @@ class EngineConfig:
         return AUTO_CPU_KV_BYTES if self.kv_cache_auto else parse_bytes(self.kv_cache_memory)
 
     @property
-    def waiting_window(self) -> int:
-        return self.max_waiting if self.max_waiting is not None else 4 * self.max_batch_size
+    def batch_limit(self) -> int:
+        """The most running samples the engine is sized for: max_batch_size, or auto's largest candidate."""
+        return max(BATCH_CANDIDATES) if self.max_batch_size == "auto" else self.max_batch_size
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")

@@ -1,6 +1,6 @@
 """The engine loop: pull requests lazily, schedule, run the model, sample, yield finished results.
 
-`Engine(loaded_model, config).generate(requests)` keeps at most `config.waiting_window` requests read ahead
+`Engine(loaded_model, config).generate(requests)` keeps at most `engine.waiting_window` requests read ahead
 of the running batch, so the input can be a stream larger than memory. Requests that cannot run (bad
 parameters, empty or too long prompts, unknown token ids) come back as `finish_reason="error"` results.
 """
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pipeline.engine.batch_tuning import PROMPT_TOKENS, BatchChoice, candidates
+from pipeline.engine.batch_tuning import measure as measure_batch
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.constraints import Constraints, constraint_key
 from pipeline.engine.kv_cache import KVCacheManager
@@ -52,6 +54,7 @@ class Engine:
             self.model.to(self.device)
         if compile_layers_wanted(config.compile, self.model, self.device) and not self.model.compiled:
             self.model.compile_layers()
+        self.max_batch_size = config.batch_limit  # max_batch_size=auto: narrowed by tune_batch_size()
         block_bytes = kv_bytes_per_block(self.model, config.block_size)
         max_pos = self.model_config.max_position_embeddings
         num_blocks = self._kv_bytes(config, block_bytes, max_pos) // block_bytes
@@ -65,7 +68,7 @@ class Engine:
                 f"({num_blocks} blocks of {block_bytes} bytes), fewer than max_model_len={self.max_model_len}"
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_batch_size)
+        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, self.max_batch_size)
         if self.model.tp.size != config.tensor_parallel:
             raise ValueError(
                 f"engine.tensor_parallel={config.tensor_parallel} but the model was loaded for {self.model.tp.size} "
@@ -78,7 +81,7 @@ class Engine:
                 raise ValueError(f"a {self.model.kv_dtype} KV cache for a {self.model.dtype} model runs on CPU only: "
                                  "on CUDA set model.kv_cache_dtype to the model dtype (or auto)")
             self.runner = GpuRunner(self.model, num_blocks, config.block_size, self.device, config.cuda_graphs,
-                                    config.max_batch_size, self.max_model_len)
+                                    self.max_batch_size, self.max_model_len)
         else:
             self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
         self.speculative = speculative or SpeculativeConfig()
@@ -99,7 +102,7 @@ class Engine:
             return config.kv_cache_bytes
         from pipeline.engine.memory import kv_cache_budget, measure_activation_peak
 
-        peak = measure_activation_peak(self.model, config.max_batched_tokens, config.max_batch_size, self.device)
+        peak = measure_activation_peak(self.model, config.max_batched_tokens, self.max_batch_size, self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         min_blocks = -(-(config.max_model_len or 1) // config.block_size)
         return kv_cache_budget(total, free, peak, config.gpu_memory_utilization, block_bytes, min_blocks)
@@ -108,12 +111,40 @@ class Engine:
     def num_blocks(self) -> int:
         return self.kv.num_blocks
 
+    @property
+    def waiting_window(self) -> int:
+        """Requests read ahead of the running batch: engine.max_waiting, else 4 x the batch limit."""
+        return self.config.max_waiting if self.config.max_waiting is not None else 4 * self.max_batch_size
+
+    def tune_batch_size(self, max_tokens: int, rows: int | None = None) -> BatchChoice | None:
+        """Resolve engine.max_batch_size=auto (None for a fixed size) for completions of up to `max_tokens`
+        and a job of `rows` samples (if known): on CPU, measure decode steps at each candidate whose KV cache
+        fits (`pipeline.engine.batch_tuning`) and keep the best; elsewhere the largest that fits. Call it
+        before any work: it runs steps of its own, and resets the stats after them."""
+        if self.config.max_batch_size != "auto":
+            return None
+        if self.scheduler.has_work():
+            raise RuntimeError("tune_batch_size runs on an idle engine, before any request")
+        context = PROMPT_TOKENS + max_tokens
+        sizes = candidates(self.kv.num_blocks * self.config.block_size, self.config.max_batched_tokens, context, rows)
+        if self.device.type == "cpu":
+            choice = measure_batch(self, sizes)
+            self.stats = EngineStats()
+            if self.model.kernel_choice is not None:
+                self.model.kernel_choice.steps.clear()
+        else:
+            choice = BatchChoice(max(sizes), reason=f"{self.device.type}: the largest candidate that fits "
+                                 f"{context} positions per sequence and the job's rows (decode stays bandwidth bound)")
+        self.max_batch_size = self.scheduler.max_batch_size = choice.batch
+        self._update_gauges()
+        return choice
+
     # -- public ---------------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Yield one Result per sample of each request, in completion order."""
         source = iter(requests)
         exhausted = False
-        window = self.config.waiting_window
+        window = self.waiting_window
         try:
             while True:
                 while not exhausted and len(self.scheduler.waiting) < window:
@@ -281,8 +312,8 @@ class Engine:
                     matcher = self._matcher(sampling)
                 except ValueError as e:  # a bad schema or regex: this request's samples are error results
                     problem = str(e)
-            if sampling.n > self.config.max_batch_size:
-                problem = problem or f"n={sampling.n} exceeds engine.max_batch_size={self.config.max_batch_size}"
+            if sampling.n > self.max_batch_size:
+                problem = problem or f"n={sampling.n} exceeds engine.max_batch_size={self.max_batch_size}"
         except (TypeError, ValueError) as exc:
             sampling, problem = None, str(exc)
         if problem:

@@ -288,7 +288,7 @@ def main(argv: list[str]) -> int:
                 prompts, total = sample_prompts(job, tok, max_len, opts.sample_rows)
         figures = plan_figures(
             cfg, hw, opts, model_dtype=resolve_dtype(job.model.dtype, "cpu" if hw_name == "cpu" else "cuda"),
-            batch=job.engine.max_batch_size,
+            batch=job.engine.batch_limit,
             max_tokens=job.sampling.max_tokens, kv_budget=job.engine.kv_cache_bytes,
             chunk_tokens=job.engine.max_batched_tokens, prompts=prompts, total_rows=total,
         )

@@ -81,12 +81,31 @@ def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, 
     assert on_disk["generated_tokens"] == df["completion_tokens"].sum() == metrics["generated_tokens"]
     assert on_disk["prompt_tokens"] == df["prompt_tokens"].sum()
     assert on_disk["weight_bytes"] == tiny_loaded.weight_bytes and on_disk["steps"] > 0
+    # engine.max_batch_size=auto (the default): with 7 rows only the smallest size is worth a try
+    assert on_disk["max_batch_size"] == on_disk["max_batch_size_auto"]["batch"] == 16
+    assert on_disk["max_batch_size_auto"]["decode_tokens_per_s"] == {}
     for key in ("wall_time_s", "generated_tokens_per_s", "mean_batch", "preemptions", "peak_memory_bytes",
                 "weight_read_bandwidth_gb_s", "cached_tokens", "config_fingerprint"):
         assert key in on_disk
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rows ")]
     assert lines[-1].startswith(f"rows {n_rows}/{n_rows} (100.0%) | gen ")
     assert "rows" in stdout.getvalue() and "weight-read bw" in stdout.getvalue()  # the summary table
+
+
+def test_auto_batch_size_is_measured_and_reported(tmp_path, tiny_model_dir, caplog):
+    """40 rows: sizes 16 and 32 are timed; the pick, its figures and why are in the log and the metrics, and
+    the run's own steps start after the measuring ones."""
+    write_shards(tmp_path / "in", rows_per_shard=(20, 20))
+    cfg = job(tiny_model_dir, f"{tmp_path}/in/*.parquet", tmp_path / "out")
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        metrics = run(cfg, stdout=io.StringIO())
+    auto = metrics["max_batch_size_auto"]
+    assert set(auto["decode_tokens_per_s"]) == {"16", "32"} and metrics["max_batch_size"] == auto["batch"]
+    assert auto["decode_tokens_per_s"][str(auto["batch"])] >= 0.95 * max(auto["decode_tokens_per_s"].values())
+    completions = pl.read_parquet(tmp_path / "out" / "*.parquet")["completion_tokens"].sum()
+    assert metrics["generated_tokens"] == metrics["engine"]["decode_tokens"] == completions  # not the measuring's
+    assert any(r.getMessage().startswith(f"engine.max_batch_size=auto: {auto['batch']} (measured")
+               for r in caplog.records)
 
 
 def test_memory_filesystem_end_to_end(tiny_model_dir):

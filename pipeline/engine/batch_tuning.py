@@ -1,0 +1,92 @@
+"""`engine.max_batch_size=auto`: the running batch that decodes fastest here, measured, not assumed.
+
+Why measure: past the ridge point a CPU decode step is compute bound and the roofline sees nothing to gain
+from a bigger batch. What moves the best batch is what the roofline leaves out: per-step costs that do not
+grow with the batch (Python, dispatch, compiled-graph guards), GEMM efficiency at small row counts, and
+attention and the LM head, which grow with it. Those differ by machine, model and quantization.
+
+How: for each candidate size, that many synthetic prompts are prefilled, then a few decode steps with all of
+them running are timed (their prompts share cached blocks from one size to the next, so most of the prefill
+is paid once). The pick is the smallest candidate within `WITHIN` of the best rate: a smaller batch holds
+less KV cache and finishes its tail sooner. On CUDA nothing is timed: decode stays bandwidth bound well past
+the largest candidate, so the largest that fits is the pick.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.engine.config import BATCH_CANDIDATES
+from pipeline.engine.request import Request, SamplingParams
+
+WITHIN = 0.05  # pick the smallest batch within 5% of the best measured rate
+PROMPT_TOKENS = 48  # synthetic prompts: a short chat turn
+WARMUP_STEPS, TIMED_STEPS = 2, 5
+
+
+@dataclass
+class BatchChoice:
+    """What auto chose and the figures it chose from (reported in _metrics.json)."""
+
+    batch: int
+    rates: dict[int, float] = field(default_factory=dict)  # generated tok/s of decode steps, by batch
+    reason: str = ""
+    seconds: float = 0.0  # spent measuring
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "decode_tokens_per_s": {str(b): round(r, 1) for b, r in self.rates.items()},
+                "reason": self.reason, "seconds": round(self.seconds, 1)}
+
+
+def candidates(kv_tokens: int, max_batched_tokens: int, context: int, rows: int | None) -> list[int]:
+    """The sizes worth trying: each decodes in one step's token budget, holds `context` positions per
+    sequence in the KV cache, and is not larger than the job's rows (when known); the smallest always stays."""
+    fits = [b for b in BATCH_CANDIDATES if b <= max_batched_tokens and b * context <= kv_tokens
+            and (rows is None or b <= rows)]
+    return fits or [BATCH_CANDIDATES[0]]
+
+
+def pick(rates: dict[int, float], within: float = WITHIN) -> int:
+    """The smallest batch whose rate is within `within` of the best."""
+    best = max(rates.values())
+    return min(b for b, r in rates.items() if r >= (1 - within) * best)
+
+
+def decode_rate(engine: Any, batch: int, prompt_tokens: int = PROMPT_TOKENS, steps: int = TIMED_STEPS) -> float:
+    """Generated tok/s of `engine`'s decode steps with `batch` synthetic sequences running, after their prefill
+    and `WARMUP_STEPS` untimed steps. The engine is left empty (its stats are the caller's to reset)."""
+    vocab = engine.model_config.vocab_size
+    # Prefill takes several steps (chunks of max_batched_tokens), and the first sequences in decode all along:
+    # none may finish before the timed steps end.
+    prefill_steps = -(-batch * prompt_tokens // engine.config.max_batched_tokens)
+    sampling = SamplingParams(max_tokens=prefill_steps + WARMUP_STEPS + steps + 2, ignore_eos=True)
+    try:
+        for i in range(batch):  # distinct prompts, the same ones for every size
+            tokens = [(1000 + 7919 * (i * prompt_tokens + j)) % vocab for j in range(prompt_tokens)]
+            engine.add_request(Request(("batch-tuning", i), tokens, sampling))
+        running = engine.scheduler.running
+        while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in running):
+            engine.step()
+        for _ in range(WARMUP_STEPS):
+            engine.step()
+        start, generated = time.perf_counter(), engine.stats.decode_tokens
+        for _ in range(steps):
+            engine.step()
+        return (engine.stats.decode_tokens - generated) / (time.perf_counter() - start)
+    finally:
+        engine.abort_all()
+
+
+def measure(engine: Any, sizes: list[int]) -> BatchChoice:
+    """Time each size on `engine` (largest first: the smaller ones find their prompts cached) and pick."""
+    if len(sizes) == 1:
+        return BatchChoice(sizes[0], reason="the only candidate that fits the KV cache and the job's rows")
+    start = time.perf_counter()
+    rates = {b: decode_rate(engine, b) for b in sorted(sizes, reverse=True)}
+    rates = dict(sorted(rates.items()))
+    batch = pick(rates)
+    figures = ", ".join(f"{b}: {r:.0f}" for b, r in rates.items())
+    return BatchChoice(batch, rates, f"measured decode tok/s by batch ({figures}); the smallest within "
+                       f"{100 * WITHIN:.0f}% of the best", time.perf_counter() - start)

@@ -1,0 +1,75 @@
+"""engine.max_batch_size=auto: which sizes it tries, how it picks, and that the engine it leaves behind runs
+jobs as a fixed size would."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.engine.batch_tuning import PROMPT_TOKENS, candidates, decode_rate, pick
+from pipeline.engine.config import BATCH_CANDIDATES, EngineConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.request import Request, SamplingParams
+from tests.engine.conftest import random_prompts
+
+
+def test_pick_is_the_smallest_within_the_margin():
+    assert pick({16: 400.0, 32: 700.0, 64: 960.0, 128: 1000.0, 256: 990.0}) == 64  # 960 >= 95% of 1000
+    assert pick({16: 400.0, 32: 700.0, 64: 900.0, 128: 1000.0}) == 128
+    assert pick({16: 400.0, 32: 700.0}, within=0.5) == 16
+    assert pick({64: 5.0}) == 64
+
+
+def test_candidates_fit_the_kv_cache_the_token_budget_and_the_rows():
+    assert candidates(10**6, 512, 100, None) == list(BATCH_CANDIDATES)
+    assert candidates(64 * 100, 512, 100, None) == [16, 32, 64]  # KV holds 64 sequences of 100 positions
+    assert candidates(10**6, 100, 100, None) == [16, 32, 64]  # a decode step of B tokens fits 100
+    assert candidates(10**6, 512, 100, 40) == [16, 32]
+    assert candidates(10, 512, 100, 1) == [16]  # nothing fits: the smallest, and the scheduler copes
+
+
+def test_decode_rate_counts_generated_tokens_and_leaves_the_engine_idle(tiny):
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size=32, max_batched_tokens=256))
+    rate = decode_rate(engine, 32, prompt_tokens=20, steps=3)
+    assert rate > 0
+    assert not engine.scheduler.has_work() and engine.kv.num_free == engine.kv.num_blocks
+    # prefill took ceil(32 x 20 / 256) = 3 steps with sequences already decoding: none finished before the end
+    assert engine.stats.decode_tokens >= 32 * (1 + 2 + 3)
+
+
+def test_auto_measures_then_runs_a_job_like_the_fixed_size_it_picked(tiny):
+    prompts = random_prompts(40, 5, 30, seed=4)
+    sp = SamplingParams(max_tokens=12)
+    auto = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size="auto", max_batched_tokens=512))
+    assert auto.max_batch_size == max(BATCH_CANDIDATES)  # sized for the largest until measured
+    choice = auto.tune_batch_size(max_tokens=12, rows=len(prompts))
+    assert set(choice.rates) == {16, 32} and choice.batch in choice.rates and choice.seconds > 0
+    assert choice.rates[choice.batch] >= 0.95 * max(choice.rates.values())
+    assert auto.max_batch_size == auto.scheduler.max_batch_size == choice.batch
+    assert auto.waiting_window == 4 * choice.batch
+    assert auto.stats.steps == 0 and not auto.scheduler.has_work()  # the measuring steps are not the job's
+    fixed = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size=choice.batch, max_batched_tokens=512))
+    running: list[int] = []
+    step = auto.step
+    auto.step = lambda: (step(), running.append(len(auto.scheduler.running)))[0]
+    runs = [{r.id: r.token_ids for r in e.generate(Request(i, p, sp) for i, p in enumerate(prompts))}
+            for e in (auto, fixed)]
+    assert runs[0] == runs[1] and len(runs[0]) == len(prompts)
+    assert max(running) <= choice.batch
+
+
+def test_fixed_size_is_not_measured(tiny):
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size=8))
+    assert engine.tune_batch_size(max_tokens=16) is None and engine.max_batch_size == 8
+
+
+def test_tuning_a_busy_engine_is_refused(tiny):
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size="auto"))
+    engine.add_request(Request(0, [1] * PROMPT_TOKENS, SamplingParams(max_tokens=4)))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.tune_batch_size(max_tokens=4)
+
+
+@pytest.mark.parametrize("value", ["big", 0, True])
+def test_bad_values_are_refused(value):
+    with pytest.raises(ValueError, match="engine.max_batch_size must be an integer >= 1 or auto"):
+        EngineConfig(max_batch_size=value)
