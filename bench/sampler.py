@@ -1,7 +1,8 @@
 """Time of one sampling step: `sample()` over a batch of sampled rows, each with its own seeded generator.
 
 The draw is an exponential race (one Exp(1) number per vocabulary id per row), so the cost grows with
-batch x vocabulary; rows without top-k / top-p / min-p skip the sort that the filters need.
+batch x vocabulary; rows without top-k / top-p / min-p skip the sort that the filters need. Greedy rows
+take `row_argmax`, timed beside torch's own argmax on the same logits.
 
     python bench/sampler.py                        # batch 64, SmolLM2's vocabulary (49,152), 20 steps
     python bench/sampler.py --batch 8 --vocab 1000 --steps 3    # a smoke test
@@ -15,8 +16,9 @@ import time
 import torch
 
 from pipeline.engine.request import SamplingParams
-from pipeline.engine.sampler import sample
+from pipeline.engine.sampler import row_argmax, sample
 from pipeline.engine.sequence import Sequence
+from pipeline.perf.probe import cpu_flags
 
 
 def step_ms(batch: int, vocab: int, steps: int, sampling: SamplingParams) -> float:
@@ -29,13 +31,30 @@ def step_ms(batch: int, vocab: int, steps: int, sampling: SamplingParams) -> flo
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def argmax_ms(batch: int, vocab: int, steps: int) -> tuple[float, float]:
+    """ms of torch's argmax and of `row_argmax` over the same [batch, vocab] float32 logits."""
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    times = []
+    for fn in (lambda: logits.argmax(dim=-1), lambda: row_argmax(logits)):
+        fn()
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        times.append((time.perf_counter() - start) / steps * 1e3)
+    return times[0], times[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, vocabulary {args.vocab}")
+    print(f"cpu flags: {cpu_flags()}; torch threads {torch.get_num_threads()}, batch {args.batch}, "
+          f"vocabulary {args.vocab}")
+    torch_ms, ours_ms = argmax_ms(args.batch, args.vocab, args.steps)
+    print(f"{'greedy: torch argmax':<28} {torch_ms:8.2f} ms per step; row_argmax {ours_ms:.2f} ms "
+          f"({torch_ms / ours_ms:.1f}x)")
     for label, sp in (("temperature 0.8", SamplingParams(temperature=0.8)),
                       ("temperature 0.8, top_p 0.95", SamplingParams(temperature=0.8, top_p=0.95))):
         print(f"{label:<28} {step_ms(args.batch, args.vocab, args.steps, sp):8.2f} ms per step")

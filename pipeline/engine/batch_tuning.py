@@ -8,8 +8,9 @@ attention and the LM head, which grow with it. Those differ by machine, model an
 How: for each candidate size, that many synthetic prompts are prefilled, then a few decode steps with all of
 them running are timed (their prompts share cached blocks from one size to the next, so most of the prefill
 is paid once). The pick is the smallest candidate within `WITHIN` of the best rate: a smaller batch holds
-less KV cache and finishes its tail sooner. On CUDA nothing is timed: decode stays bandwidth bound well past
-the largest candidate, so the largest that fits is the pick.
+less KV cache and finishes its tail sooner. Measuring costs seconds (more in float32), so a short run (fewer
+than `SHORT_RUN_TOKENS` new tokens in all) takes `SHORT_RUN_BATCH` unmeasured. On CUDA nothing is timed:
+decode stays bandwidth bound well past the largest candidate, so the largest that fits is the pick.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pipeline.engine.request import Request, SamplingParams
 WITHIN = 0.05  # pick the smallest batch within 5% of the best measured rate
 PROMPT_TOKENS = 48  # synthetic prompts: a short chat turn
 WARMUP_STEPS, TIMED_STEPS = 2, 5
+SHORT_RUN_TOKENS = 16_384  # runs that generate fewer tokens in all do not measure
+SHORT_RUN_BATCH = 64
 
 
 @dataclass
@@ -46,6 +49,16 @@ def candidates(kv_tokens: int, max_batched_tokens: int, context: int, rows: int 
     fits = [b for b in BATCH_CANDIDATES if b <= max_batched_tokens and b * context <= kv_tokens
             and (rows is None or b <= rows)]
     return fits or [BATCH_CANDIDATES[0]]
+
+
+def short_run(rows: int | None, max_tokens: int) -> bool:
+    """Too little work to pay for the measurement (`rows` None: unknown, measure)."""
+    return rows is not None and rows * max_tokens < SHORT_RUN_TOKENS
+
+
+def unmeasured(sizes: list[int], reason: str, cap: int) -> BatchChoice:
+    """The largest candidate up to `cap` (else the smallest), chosen without timing anything."""
+    return BatchChoice(max([b for b in sizes if b <= cap] or [min(sizes)]), reason=reason)
 
 
 def pick(rates: dict[int, float], within: float = WITHIN) -> int:
@@ -82,7 +95,7 @@ def decode_rate(engine: Any, batch: int, prompt_tokens: int = PROMPT_TOKENS, ste
 def measure(engine: Any, sizes: list[int]) -> BatchChoice:
     """Time each size on `engine` (largest first: the smaller ones find their prompts cached) and pick."""
     if len(sizes) == 1:
-        return BatchChoice(sizes[0], reason="the only candidate that fits the KV cache and the job's rows")
+        return unmeasured(sizes, "the only candidate that fits the KV cache and the job's rows", sizes[0])
     start = time.perf_counter()
     rates = {b: decode_rate(engine, b) for b in sorted(sizes, reverse=True)}
     rates = dict(sorted(rates.items()))

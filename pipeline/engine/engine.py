@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.batch_tuning import PROMPT_TOKENS, BatchChoice, candidates
-from pipeline.engine.batch_tuning import measure as measure_batch
+from pipeline.engine import batch_tuning
+from pipeline.engine.batch_tuning import PROMPT_TOKENS, BatchChoice, candidates, unmeasured
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.constraints import Constraints, constraint_key
 from pipeline.engine.kv_cache import KVCacheManager
@@ -119,22 +119,26 @@ class Engine:
     def tune_batch_size(self, max_tokens: int, rows: int | None = None) -> BatchChoice | None:
         """Resolve engine.max_batch_size=auto (None for a fixed size) for completions of up to `max_tokens`
         and a job of `rows` samples (if known): on CPU, measure decode steps at each candidate whose KV cache
-        fits (`pipeline.engine.batch_tuning`) and keep the best; elsewhere the largest that fits. Call it
-        before any work: it runs steps of its own, and resets the stats after them."""
+        fits (`pipeline.engine.batch_tuning`) and keep the best, unless the run is too short to pay for it;
+        elsewhere the largest that fits. Call it before any work: it runs steps of its own, and resets the
+        stats after them."""
         if self.config.max_batch_size != "auto":
             return None
         if self.scheduler.has_work():
             raise RuntimeError("tune_batch_size runs on an idle engine, before any request")
         context = PROMPT_TOKENS + max_tokens
         sizes = candidates(self.kv.num_blocks * self.config.block_size, self.config.max_batched_tokens, context, rows)
-        if self.device.type == "cpu":
-            choice = measure_batch(self, sizes)
+        if self.device.type != "cpu":
+            choice = unmeasured(sizes, f"{self.device.type}: the largest candidate that fits {context} positions per "
+                                "sequence and the job's rows (decode stays bandwidth bound)", max(sizes))
+        elif batch_tuning.short_run(rows, max_tokens):
+            choice = unmeasured(sizes, f"a short run ({rows} samples x {max_tokens} new tokens): "
+                                f"{batch_tuning.SHORT_RUN_BATCH} or less, not measured", batch_tuning.SHORT_RUN_BATCH)
+        else:
+            choice = batch_tuning.measure(self, sizes)
             self.stats = EngineStats()
             if self.model.kernel_choice is not None:
                 self.model.kernel_choice.steps.clear()
-        else:
-            choice = BatchChoice(max(sizes), reason=f"{self.device.type}: the largest candidate that fits "
-                                 f"{context} positions per sequence and the job's rows (decode stays bandwidth bound)")
         self.max_batch_size = self.scheduler.max_batch_size = choice.batch
         self._update_gauges()
         return choice

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.config import load_job_config
+from pipeline.engine import batch_tuning
 from pipeline.errors import JobError
 from pipeline.job import run
 from pipeline.model.loader import load_model
@@ -81,7 +82,7 @@ def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, 
     assert on_disk["generated_tokens"] == df["completion_tokens"].sum() == metrics["generated_tokens"]
     assert on_disk["prompt_tokens"] == df["prompt_tokens"].sum()
     assert on_disk["weight_bytes"] == tiny_loaded.weight_bytes and on_disk["steps"] > 0
-    # engine.max_batch_size=auto (the default): with 7 rows only the smallest size is worth a try
+    # engine.max_batch_size=auto (the default): 7 rows are no job to measure for; 16 is the only size to try
     assert on_disk["max_batch_size"] == on_disk["max_batch_size_auto"]["batch"] == 16
     assert on_disk["max_batch_size_auto"]["decode_tokens_per_s"] == {}
     for key in ("wall_time_s", "generated_tokens_per_s", "mean_batch", "preemptions", "peak_memory_bytes",
@@ -92,9 +93,10 @@ def test_local_run_writes_every_row_once(tmp_path, tiny_model_dir, tiny_loaded, 
     assert "rows" in stdout.getvalue() and "weight-read bw" in stdout.getvalue()  # the summary table
 
 
-def test_auto_batch_size_is_measured_and_reported(tmp_path, tiny_model_dir, caplog):
+def test_auto_batch_size_is_measured_and_reported(tmp_path, tiny_model_dir, caplog, monkeypatch):
     """40 rows: sizes 16 and 32 are timed; the pick, its figures and why are in the log and the metrics, and
     the run's own steps start after the measuring ones."""
+    monkeypatch.setattr(batch_tuning, "SHORT_RUN_TOKENS", 0)  # a short run is otherwise not measured
     write_shards(tmp_path / "in", rows_per_shard=(20, 20))
     cfg = job(tiny_model_dir, f"{tmp_path}/in/*.parquet", tmp_path / "out")
     with caplog.at_level(logging.INFO, logger="pipeline"):

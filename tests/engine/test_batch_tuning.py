@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.engine import batch_tuning
 from pipeline.engine.batch_tuning import PROMPT_TOKENS, candidates, decode_rate, pick
 from pipeline.engine.config import BATCH_CANDIDATES, EngineConfig
 from pipeline.engine.engine import Engine
@@ -36,7 +37,8 @@ def test_decode_rate_counts_generated_tokens_and_leaves_the_engine_idle(tiny):
     assert engine.stats.decode_tokens >= 32 * (1 + 2 + 3)
 
 
-def test_auto_measures_then_runs_a_job_like_the_fixed_size_it_picked(tiny):
+def test_auto_measures_then_runs_a_job_like_the_fixed_size_it_picked(tiny, monkeypatch):
+    monkeypatch.setattr(batch_tuning, "SHORT_RUN_TOKENS", 0)  # 40 x 12 tokens: measured all the same
     prompts = random_prompts(40, 5, 30, seed=4)
     sp = SamplingParams(max_tokens=12)
     auto = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size="auto", max_batched_tokens=512))
@@ -55,6 +57,14 @@ def test_auto_measures_then_runs_a_job_like_the_fixed_size_it_picked(tiny):
             for e in (auto, fixed)]
     assert runs[0] == runs[1] and len(runs[0]) == len(prompts)
     assert max(running) <= choice.batch
+
+
+@pytest.mark.parametrize("rows,expected", [(40, 32), (3000, 64)])
+def test_a_short_run_takes_up_to_64_without_measuring(tiny, rows, expected):
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size="auto"))
+    choice = engine.tune_batch_size(max_tokens=5, rows=rows)  # 40 x 5, 3000 x 5 < SHORT_RUN_TOKENS
+    assert choice.batch == engine.max_batch_size == expected and choice.rates == {}
+    assert "short run" in choice.reason and engine.stats.decode_tokens == 0
 
 
 def test_fixed_size_is_not_measured(tiny):
