@@ -23,7 +23,7 @@ def reference_kept(logits: list[float], temperature: float, top_k: int, top_p: f
     mass = sum(exps[i] for i in ranked)
     kept, acc = [], 0.0
     for i in ranked:
-        if kept and acc / mass >= top_p:
+        if kept and top_p < 1 and acc / mass >= top_p:  # top_p 1 is off
             break
         kept.append(i)
         acc += exps[i]
@@ -42,10 +42,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_filters_match_reference(case):
+@pytest.mark.parametrize("vocab,scale", [
+    (50, 3.0),  # smaller than the sorted head: every row sorted whole
+    (3000, 6.0),  # peaked: the filters close inside the head
+    (3000, 0.5),  # flat: nuclei reach past the head, those rows are sorted whole
+])
+def test_filters_match_reference(case, vocab, scale):
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(4, 50, generator=g) * 3
-    kept, order = filter_probs(
+    logits = torch.randn(4, vocab, generator=g) * scale
+    kept = filter_probs(
         logits,
         torch.full((4,), case["temperature"]),
         torch.full((4,), case["top_k"]),
@@ -54,10 +59,24 @@ def test_filters_match_reference(case):
     )
     for row in range(4):
         expect = reference_kept(logits[row].tolist(), **case)
-        got = {int(order[row, j]): float(kept[row, j]) for j in range(50) if kept[row, j] > 0}
+        got = {int(t): float(kept[row, t]) for t in kept[row].nonzero().squeeze(1)}
         assert got.keys() == expect.keys()
         for token, p in expect.items():
             assert got[token] == pytest.approx(p, rel=1e-5)
+
+
+def test_filters_mix_rows_closed_in_the_head_and_rows_sorted_whole():
+    """One batch: a peaked row, a flat one, top-k past the head, and min-p closing a flat row early."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 3000, generator=g) * torch.tensor([[6.0], [0.5], [0.5], [0.5]])
+    params = [dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0), dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0),
+              dict(temperature=1.0, top_k=400, top_p=0.5, min_p=0.0), dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5)]
+    kept = filter_probs(logits, *(torch.tensor([p[key] for p in params]) for key in
+                                  ("temperature", "top_k", "top_p", "min_p")))
+    for row, case in enumerate(params):
+        expect = reference_kept(logits[row].tolist(), **case)
+        assert set(kept[row].nonzero().squeeze(1).tolist()) == expect.keys()
+    assert (kept[1] > 0).sum() > 256 and (kept[2] > 0).sum() > 100  # past the sorted head, found all the same
 
 
 def _seq(sampling: SamplingParams, seed: int, prompt: list[int] | None = None,
