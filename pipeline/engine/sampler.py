@@ -157,8 +157,11 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def exponential_draws(seqs: list[Sequence], rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(rows), vocab] Exp(1) numbers, row i from seqs[rows[i]]'s generator, one per vocabulary id."""
-    u = torch.stack([torch.rand(vocab, generator=seqs[i].generator) for i in rows]).to(device)
-    return (-torch.log1p(-u)).clamp_min_(1e-30)  # u in [0, 1): E > 0, so a filtered token (p = 0) never wins
+    u = torch.empty(len(rows), vocab)
+    for r, i in enumerate(rows):
+        torch.rand(vocab, generator=seqs[i].generator, out=u[r])
+    # -log(1 - u), in place: each [rows, vocab] temporary is tens of MB at batch 128
+    return u.neg_().log1p_().neg_().clamp_min_(1e-30).to(device)  # u in [0, 1): E > 0, a p = 0 token never wins
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset(),
@@ -184,7 +187,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
                 torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
                 torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
             )
-        tokens[sampled_rows] = row_argmax(by_id / exponential_draws(seqs, sampled_rows, by_id.shape[-1], dev))
+        tokens[sampled_rows] = row_argmax(by_id.div_(exponential_draws(seqs, sampled_rows, by_id.shape[-1], dev)))
     token_list = tokens.tolist()
     return Sampled(token_list, token_logprobs(raw, [s.sampling.logprobs for s in seqs], token_list))
 
