@@ -310,7 +310,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         from pipeline.perf.roofline import Roofline
 
         int8 = options["quant"] == "w8a8" or (options["quant"] != "none" and options["w8a8_rows"] is not None
-                                               and options["w8a8_rows"] <= cfg.engine.batch_limit)
+                                               and options["w8a8_rows"] <= engine.max_batch_size)
         # W8A8 steps: int8 weights and the int8 peak (where the hardware profile has one)
         int8 = int8 and "int8" in hardware.flops
         roof = Roofline.of(loaded.config, hardware, cfg.model_dtype, tp=cfg.engine.tensor_parallel,
