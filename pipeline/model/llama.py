@@ -89,9 +89,28 @@ def cpp_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
-def _run_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """One decoder layer: a plain function of the module, so one compiled graph serves every layer."""
-    return layer(x, cos_sin)
+def _run_layers(
+    layers: tuple[DecoderLayer, ...], x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """A run of decoder layers: a plain function of the modules, so one compiled graph serves every run of
+    the same length (their weights are the graph's inputs, not constants)."""
+    for layer in layers:
+        x = layer(x, cos_sin)
+    return x
+
+
+# Decoder layers per compiled graph. Each graph call costs ~0.3 ms on CPU (guards, wrappers) whatever it
+# runs; 6 layers per call made a batch-128 SmolLM2 step ~4-9% faster than one layer per call (10 or 15 were
+# no faster and compiled 4-8x longer: bench figures in docs/performance.md).
+LAYERS_PER_GRAPH = 6
+
+
+def layer_runs(layers: list[DecoderLayer], per_run: int) -> list[tuple[DecoderLayer, ...]]:
+    """`layers` cut into consecutive runs of near-equal length, at most `per_run` each: at most two
+    lengths, so at most two graphs to compile."""
+    count = -(-len(layers) // per_run)
+    bounds = [len(layers) * i // count for i in range(count + 1)]
+    return [tuple(layers[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
 
 
 # Checkpoint names (Hugging Face convention) of the parts fused into one module, with their part index.
@@ -124,27 +143,31 @@ class LlamaModel(nn.Module):
         self.scale = cfg.head_dim**-0.5
         # Set by pipeline.model.quant.attach_w8a8: picks each step's matmul kernel and counts its steps.
         self.kernel_choice = None
-        self.run_layer = _run_layer  # or its compiled form (`compile_layers`)
+        self.run_layers = _run_layers  # or its compiled form (`compile_layers`)
+        self.layer_runs = [tuple(self.layers)]  # cut into shorter runs when compiled
 
     @property
     def compiled(self) -> bool:
-        return self.run_layer is not _run_layer
+        return self.run_layers is not _run_layers
 
-    def compile_layers(self) -> None:
-        """Run every decoder layer through one `torch.compile`d graph (dynamic token count).
+    def compile_layers(self, per_graph: int = LAYERS_PER_GRAPH) -> None:
+        """Run the decoder layers through `torch.compile`d graphs (dynamic token count), `per_graph` layers
+        per call.
 
         What it buys on CPU: the norms, RoPE, SiLU, W8A8 activation quantization and scale epilogues of a
         layer fuse into a few generated loops instead of ~40 separate passes over the activations. The
         fused reductions may round differently from the eager ones (float32 last bits), so the exact path
         stays eager. Attention is the opaque `pipeline::attend` operator; the first steps of each new
-        shape class (one token, many) pay the compilation, ~10 s on 2 cores.
+        shape class (one token, many) pay the compilation: ~25 s for SmolLM2 on 2 cores, less once torch's
+        on-disk graph cache holds it.
         """
         if self.tp.size > 1:
             raise ValueError("compiled layers need tensor_parallel=1 (collectives are not traced)")
         if cpp_compiler() is None:
             raise RuntimeError("compiled layers need a C++ compiler for torch.compile on CPU (g++, or $CXX): "
                                "install one (Debian: apt-get install g++) or set engine.compile=off")
-        self.run_layer = torch.compile(_run_layer, dynamic=True)
+        self.run_layers = torch.compile(_run_layers, dynamic=True)
+        self.layer_runs = layer_runs(list(self.layers), per_graph)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -153,8 +176,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope(positions)
         with bound_backend(attn):
-            for layer in self.layers:
-                x = self.run_layer(layer, x, cos_sin)
+            for run in self.layer_runs:
+                x = self.run_layers(run, x, cos_sin)
         return self.norm(x)
 
     @torch.inference_mode()

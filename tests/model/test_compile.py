@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.model.llama import LAYERS_PER_GRAPH, layer_runs
 from pipeline.model.loader import load_model
 from tests.reference import assert_only_near_ties, greedy_decode, prompt_logits
 
@@ -12,11 +13,13 @@ IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
 PROMPTS = [IDS, IDS[:5], [1, 77, 5000, 12, 900, 33, 2, 8]]
 
 
-def test_compiled_w8a8_layers_match_eager(tiny_model_dir):
+@pytest.mark.parametrize("per_graph", [1, LAYERS_PER_GRAPH])
+def test_compiled_w8a8_layers_match_eager(tiny_model_dir, per_graph):
     eager = load_model(tiny_model_dir, quant="w8a8").model
     compiled = load_model(tiny_model_dir, quant="w8a8").model
-    compiled.compile_layers()
+    compiled.compile_layers(per_graph)
     assert compiled.compiled and not eager.compiled
+    assert [layer for run in compiled.layer_runs for layer in run] == list(compiled.layers)
     ref = prompt_logits(eager, IDS)
     # fused quantization and reductions may round the last float32 bits differently, nothing more
     torch.testing.assert_close(prompt_logits(compiled, IDS), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -24,6 +27,16 @@ def test_compiled_w8a8_layers_match_eager(tiny_model_dir):
     reference = dict(enumerate(greedy_decode(eager, PROMPTS, 6)))
     other = {i: d.tokens for i, d in enumerate(greedy_decode(compiled, PROMPTS, 6))}
     assert_only_near_ties(reference, other)
+
+
+@pytest.mark.parametrize("layers", [1, 5, 6, 7, 12, 13, 30, 32])
+@pytest.mark.parametrize("per_run", [1, 4, 6])
+def test_layer_runs_cover_the_layers_in_order_with_at_most_two_lengths(layers, per_run):
+    runs = layer_runs(list(range(layers)), per_run)
+    assert [layer for run in runs for layer in run] == list(range(layers))
+    lengths = {len(run) for run in runs}
+    assert max(lengths) <= per_run and max(lengths) - min(lengths) <= 1
+    assert len(runs) == -(-layers // per_run)  # no more graph calls than needed
 
 
 def test_without_a_cpp_compiler_compiling_fails_clearly_and_auto_stays_eager(tiny_model_dir, monkeypatch):
