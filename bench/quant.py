@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.wq_cpu import native_bf16  # noqa: E402
 from pipeline.model.loader import load_model  # noqa: E402
 from pipeline.model.quant import linear_weight_bytes  # noqa: E402
 
@@ -156,7 +155,7 @@ def parse_format(fmt: str) -> dict:
     if scheme == "auto":
         options.update(auto_options())
     elif not head:
-        options["quant_lm_head"] = "bf16" if native_bf16() else "int8"  # the job's quant_lm_head=auto
+        options["quant_lm_head"] = "int8"  # the job's quant_lm_head=auto
     return options
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 import torch
 
-from kernels.wq_cpu import native_bf16
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -175,7 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     loaded = load_model(args.model, quant=args.quant, w8a8_rows=None if args.quant == "w8a8" else 16,
-                        quant_lm_head="bf16" if native_bf16() else "int8")
+                        quant_lm_head="int8")
     draft = None
     if "draft" in args.methods:
         draft = load_model(args.draft or args.model or default_model_path(), quant=args.draft_quant).model

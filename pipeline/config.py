@@ -104,7 +104,7 @@ class ModelSection:
     quant: str = "none"  # none | int8 | int4 | gguf | w8a8 | fp8 | auto (docs/quantization.md)
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
     quant_w8a8_rows: int | None = 16  # int8/int4/gguf: steps of >= this many tokens run W8A8; null: never
-    quant_lm_head: str = "auto"  # LM head in W8A8 steps: int8 | bf16 | none | auto (bf16 where native, else int8)
+    quant_lm_head: str = "auto"  # LM head in W8A8 steps: int8 | bf16 | none | auto (int8)
     # KV cache: auto | float32 | bfloat16; auto = bfloat16 for quantized float32 models on CPU, else model dtype
     # (resolve_kv_dtype)
     kv_cache_dtype: str = "auto"

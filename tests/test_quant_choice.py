@@ -22,7 +22,7 @@ def test_weight_only_at_batch_one_w8a8_once_bf16_compute_bound():
     # bf16 weight-only step (~0.6 bytes per weight) turns compute-bound and slower than that from
     # batch ~ 1 byte * 200e9 / (2 * 20e9) = 5.
     choice = choose_quant(SMOLLM2, cpu(), "gguf", bf16_native=True, max_batch=64)
-    assert choice.scheme == "gguf" and choice.w8a8_rows in (5, 6) and choice.lm_head == "bf16"
+    assert choice.scheme == "gguf" and choice.w8a8_rows in (5, 6) and choice.lm_head == "int8"
     assert "W8A8 from" in choice.reason
 
 

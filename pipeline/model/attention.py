@@ -78,3 +78,14 @@ def causal_attention(
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, group*n, D]
     return out.reshape(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+
+
+class WholeSequence:
+    """The backend of one forward pass over a whole sequence with no cache: each layer attends over this
+    pass's own keys (a calibration pass at load time needs nothing more)."""
+
+    def __init__(self, scale: float, window: int | None = None):
+        self.scale, self.window = scale, window
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v, 0, self.scale, self.window)

@@ -168,6 +168,9 @@ class LlamaModel(nn.Module):
                                "install one (Debian: apt-get install g++) or set engine.compile=off")
         self.run_layers = torch.compile(_run_layers, dynamic=True)
         self.layer_runs = layer_runs(list(self.layers), per_graph)
+        # the head too: a W8A8 head's column split, activation quantization and int32 -> float scaling fuse
+        # into two loops around the GEMM (eager, the scaling alone passes over [rows, vocab] three times)
+        self.lm_head.compile(dynamic=True)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:

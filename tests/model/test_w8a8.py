@@ -9,7 +9,15 @@ from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import quantize_int8, wq_matmul_reference
 from pipeline.model.layers import LMHead
 from pipeline.model.loader import load_model
-from pipeline.model.quant import QuantLinear, QuantLMHead, attach_w8a8
+from pipeline.model.quant import (
+    MAX_COPIES,
+    KernelChoice,
+    QuantLinear,
+    QuantLMHead,
+    attach_w8a8,
+    column_copies,
+    final_hidden_absmax,
+)
 from tests.reference import prompt_logits
 
 IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
@@ -91,3 +99,46 @@ def test_bad_w8a8_rows(tiny_model_dir):
         attach_w8a8(q.model, "int8", 0, lm_head="none")
     with pytest.raises(ValueError, match="quant_lm_head='fp8'"):
         attach_w8a8(q.model, "int8", 4, lm_head="fp8")
+
+
+def test_column_copies_split_only_the_outlier_channels():
+    absmax = torch.tensor([1.0, 60.0, 2.0, 9.5, 3.0, 0.5, 10.0, 2.5])
+    copies = column_copies(absmax, outliers=3)
+    # the 3 largest (60, 10, 9.5) over the 4th (3.0): 20 capped, ceil(3.3), ceil(3.2); the rest one
+    assert MAX_COPIES < 20
+    assert copies.tolist() == [1, MAX_COPIES, 1, 4, 1, 1, 4, 1]
+    assert column_copies(torch.full((8,), 2.0), outliers=3).tolist() == [1] * 8  # nothing stands out
+    assert column_copies(torch.zeros(8), outliers=3).tolist() == [1] * 8
+    assert column_copies(absmax, outliers=8).tolist() == [1] * 8  # no channel left to compare with
+
+
+def test_split_int8_head_is_the_w8a8_product_of_the_split_columns_and_beats_plain_int8():
+    torch.manual_seed(0)
+    vocab, hidden = 512, 64
+    head = LMHead(vocab, hidden)
+    head.weight.data.normal_()
+    x = torch.randn(16, hidden)
+    x[:, 5] *= 40  # outlier channels, as a final hidden state has them
+    x[:, 9] *= 25
+    copies = column_copies(x.abs().amax(0), outliers=4)
+    split = QuantLMHead(head, KernelChoice("", 1), "int8", copies)
+    plain = QuantLMHead(head, KernelChoice("", 1), "int8")
+    columns = torch.repeat_interleave(torch.arange(hidden), copies)
+    q, s = quantize_int8(head.weight.data)
+    expected = w8a8_matmul_reference(x[:, columns] / copies[columns], q[:, columns], s)
+    torch.testing.assert_close(split(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # the activations' share of the error: against the int8 weights with float activations
+    exact = x @ (q.float() * s).T
+    split_err, plain_err = (split(x) - exact).norm(), (plain(x) - exact).norm()
+    assert split_err < plain_err / 3
+
+
+def test_loaded_int8_head_splits_the_calibrated_channels_the_same_way_every_load(tiny_model_dir):
+    first = load_model(tiny_model_dir, quant="w8a8", quant_lm_head="int8").model
+    second = load_model(tiny_model_dir, quant="w8a8", quant_lm_head="int8").model
+    # the calibration pass (through the loaded W8A8 body) is seeded: the same columns every load
+    torch.testing.assert_close(final_hidden_absmax(first), final_hidden_absmax(second), rtol=0, atol=0)
+    copies = column_copies(final_hidden_absmax(first))
+    assert torch.equal(first.lm_head.columns, torch.repeat_interleave(torch.arange(copies.numel()), copies))
+    assert torch.equal(first.lm_head.columns, second.lm_head.columns)
+    assert first.lm_head.columns.numel() > first.config.hidden_size  # the tiny model has outliers to split
