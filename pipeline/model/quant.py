@@ -33,6 +33,7 @@ from torch import nn
 from kernels.dispatch import packed_matmul, w8a8_matmul, wq_matmul
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, native_bf16, pack_for_cpu
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
+from pipeline.model.calibration import measure_ranges
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.fp8_linear import Fp8Linear
 from pipeline.model.layers import LMHead, ParallelLinear
@@ -166,7 +167,8 @@ class QuantLinear(ParallelLinear):
         self.scheme = scheme
         self.group_size = group_size
         self.bits = 0
-        for buffer in ("qweight", "scales", "mins", "packed_weight", "packed_scales", "w8a8_weight", "w8a8_scales"):
+        for buffer in ("qweight", "scales", "mins", "packed_weight", "packed_scales", "w8a8_weight", "w8a8_scales",
+                       "w8a8_smooth"):
             self.register_buffer(buffer, None)
         self.packed_group = 0
         self.rows_loaded = 0
@@ -244,11 +246,20 @@ class QuantLinear(ParallelLinear):
             return None
         return CpuPacked(self.bits, self.packed_weight, self.packed_scales, self.packed_group)
 
-    def attach_w8a8(self, choice: KernelChoice) -> None:
-        """Add the int8 per-channel layout W8A8 calls use (the weight itself when it already is one)."""
+    def attach_w8a8(self, choice: KernelChoice, input_absmax: torch.Tensor | None = None) -> None:
+        """Add the int8 per-channel layout W8A8 calls use: smoothed (`smoothing_factors`) when the calibrated
+        input ranges are given, else the weight itself when it already is one. quant=w8a8 has no other calls,
+        so there a smoothed layout replaces the original."""
         if self.qweight is None:
             raise RuntimeError("attach_w8a8 needs the loaded weights in their original layout")
-        if self.bits == 8 and self.scales.shape[1] == 1 and self.scales.dtype == torch.float32:
+        if input_absmax is not None:
+            weight = self.dequantize()
+            smooth = smoothing_factors(input_absmax.to(weight.device), weight)
+            self.w8a8_weight, self.w8a8_scales = quantize_int8(weight * smooth)
+            self.w8a8_smooth = 1.0 / smooth
+            if self.scheme == "w8a8":
+                self.qweight = self.scales = None
+        elif self.bits == 8 and self.scales.shape[1] == 1 and self.scales.dtype == torch.float32:
             self.w8a8_weight, self.w8a8_scales = self.qweight, self.scales
         else:
             self.w8a8_weight, self.w8a8_scales = quantize_int8(self.dequantize())
@@ -257,7 +268,8 @@ class QuantLinear(ParallelLinear):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = self.cpu_packed
         if self.choice is not None and self.choice.uses_w8a8(x.shape[0]):
-            y = w8a8_matmul(x, self.w8a8_weight, self.w8a8_scales)
+            smoothed = x if self.w8a8_smooth is None else x * self.w8a8_smooth
+            y = w8a8_matmul(smoothed, self.w8a8_weight, self.w8a8_scales)
         elif packed is not None:
             y = packed_matmul(x, packed)
         elif self.qweight is None:
@@ -271,12 +283,24 @@ LM_HEAD_MODES = ("int8", "bf16", "none")
 
 # The LM head's int8 activations: the final hidden state has a few outlier channels (max |h| 56 on SmolLM2,
 # against a median channel max of 3.3) that would set every token's int8 step. The OUTLIER_CHANNELS largest,
-# measured once at load on CALIBRATION_TOKENS fixed random token ids, are split over several int8 columns
-# each (x/r in r columns, the weight column repeated), so the step follows the ordinary channels. On
-# SmolLM2 this took the int8 head from +1.8% perplexity to +0.06% (bf16's: -0.01%) for ~11% more columns.
+# measured once at load (`pipeline.model.calibration`), are split over several int8 columns each (x/r in r
+# columns, the weight column repeated), so the step follows the ordinary channels. On SmolLM2 this took the
+# int8 head from +1.8% perplexity to +0.06% (bf16's: -0.01%) for ~11% more columns.
 OUTLIER_CHANNELS = 32
 MAX_COPIES = 16  # bounds the added columns (SmolLM2's largest channel takes 12)
-CALIBRATION_TOKENS = 256
+
+# SmoothQuant's migration strength: s_j = max|x_j|^a / max|W_j|^(1-a). 0.5 took SmolLM2's W8A8 perplexity
+# from +3.0% to +0.7-1.7% over float32 (depending on the calibration text); 0.7 was no better.
+SMOOTHING_ALPHA = 0.5
+
+
+def smoothing_factors(input_absmax: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per input channel s [K] for a linear of weight [N, K] whose inputs reached `input_absmax` [K]: the
+    W8A8 layout multiplies weight column j by s_j and divides input channel j by it, the same product with
+    the activations' range moved into the weights (which are quantized per output channel)."""
+    a = input_absmax.float().clamp_min(1e-5)
+    w = weight.abs().amax(0).float().clamp_min(1e-5)
+    return (a.pow(SMOOTHING_ALPHA) / w.pow(1 - SMOOTHING_ALPHA)).clamp_min(1e-5)
 
 
 def column_copies(absmax: torch.Tensor, outliers: int = OUTLIER_CHANNELS) -> torch.Tensor:
@@ -289,19 +313,6 @@ def column_copies(absmax: torch.Tensor, outliers: int = OUTLIER_CHANNELS) -> tor
         if floor > 0:
             copies[top.indices[:outliers]] = torch.ceil(top.values[:outliers] / floor).long().clamp_(max=MAX_COPIES)
     return copies
-
-
-@torch.inference_mode()
-def final_hidden_absmax(model: nn.Module) -> torch.Tensor:
-    """Per channel max |final hidden state| [H] over CALIBRATION_TOKENS fixed random token ids (seeded: the
-    same channels every load), through the model as loaded."""
-    from pipeline.model.attention import WholeSequence
-
-    device = model.norm.weight.device
-    ids = torch.randint(0, model.config.vocab_size, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(CALIBRATION_TOKENS)
-    hidden = model(ids.to(device), positions.to(device), WholeSequence(model.scale, model.config.sliding_window))
-    return hidden.abs().amax(0).float().cpu()
 
 
 class QuantLMHead(LMHead):
@@ -341,10 +352,13 @@ class QuantLMHead(LMHead):
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
-def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: str) -> KernelChoice:
+def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: str,
+                calibration: list[int] | None = None) -> KernelChoice:
     """Let a loaded quantized model run calls of >= `w8a8_rows` rows in W8A8 (None: never; quant=w8a8
-    always); `lm_head` ("int8", "bf16", "none") is the LM head's kernel for those calls. Sets
-    `model.kernel_choice`."""
+    always); `lm_head` ("int8", "bf16", "none") is the LM head's kernel for those calls. With `calibration`
+    token ids, one pass over them measures the activation ranges that smooth the linears' inputs and split
+    the int8 head's outlier channels (`pipeline.model.calibration`); not under tensor parallelism (the pass
+    would need every rank's collectives at load). Sets `model.kernel_choice`."""
     rows = 1 if scheme == "w8a8" else w8a8_rows
     if rows is not None and rows < 1:
         raise ValueError(f"w8a8_rows must be >= 1 or None, got {rows}")
@@ -352,12 +366,14 @@ def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: s
         raise ValueError(f"quant_lm_head={lm_head!r} is not one of {LM_HEAD_MODES}")
     choice = KernelChoice("" if scheme == "w8a8" else scheme, rows)
     if rows is not None:
-        for m in model.modules():
-            if isinstance(m, QuantLinear):
-                m.attach_w8a8(choice)
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        ranges = None
+        if calibration and model.tp.size == 1:
+            ranges = measure_ranges(model, calibration, linears)
+        for m in linears:
+            m.attach_w8a8(choice, None if ranges is None else ranges.inputs[m])
         if lm_head != "none" and (lm_head != "bf16" or model.dtype != torch.bfloat16):
-            # the calibration pass needs every rank's collectives: under tensor parallelism no split
-            copies = column_copies(final_hidden_absmax(model)) if lm_head == "int8" and model.tp.size == 1 else None
+            copies = column_copies(ranges.final) if lm_head == "int8" and ranges is not None else None
             model.lm_head = QuantLMHead(model.lm_head, choice, lm_head, copies)
     model.kernel_choice = choice
     return choice
@@ -430,7 +446,8 @@ def gguf_quantized_tensors(ckpt) -> Iterator[tuple[str, torch.Tensor | Quantized
 
 
 def load_quantized(
-    model: nn.Module, ckpt, scheme: str, group_size: int = 32, w8a8_rows: int | None = None, lm_head: str = "int8"
+    model: nn.Module, ckpt, scheme: str, group_size: int = 32, w8a8_rows: int | None = None, lm_head: str = "int8",
+    calibration: list[int] | None = None,
 ) -> None:
     """Swap the linears for `scheme` and load `ckpt` (a GGUFCheckpoint or HFCheckpoint) into them, then
     enable W8A8 calls (`attach_w8a8`: always for w8a8, from `w8a8_rows` rows for the weight-only schemes).
@@ -448,7 +465,7 @@ def load_quantized(
         tensors = ckpt.tensors(torch.float32)
     model.load_weights(tensors)
     check_loaded(model)
-    attach_w8a8(model, scheme, w8a8_rows, lm_head)
+    attach_w8a8(model, scheme, w8a8_rows, lm_head, calibration)
     fast = model.dtype == CPU_ACTIVATION_DTYPE or (w8a8_rows is not None and native_bf16())
     if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
         pack_model_for_cpu(model)

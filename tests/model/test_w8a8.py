@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels.w8a8_reference import w8a8_matmul_reference
-from kernels.wq_reference import quantize_int8, wq_matmul_reference
+from kernels.wq_reference import dequantize, quantize_int8, wq_matmul_reference
+from pipeline.model.calibration import calibration_ids, measure_ranges
 from pipeline.model.layers import LMHead
 from pipeline.model.loader import load_model
 from pipeline.model.quant import (
@@ -16,7 +17,7 @@ from pipeline.model.quant import (
     QuantLMHead,
     attach_w8a8,
     column_copies,
-    final_hidden_absmax,
+    smoothing_factors,
 )
 from tests.reference import prompt_logits
 
@@ -32,14 +33,49 @@ def tiny_float(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def test_w8a8_linear_equals_reference_from_float_weight(tiny_model_dir, tiny_float):
+def _calibrated_smoothing(tiny_model_dir, module_path: str, **load) -> torch.Tensor:
+    """The smoothing factors of one linear, measured independently: a model loaded without W8A8 calls, the
+    calibration text run through it, `smoothing_factors` of the ranges seen and the linear's weight."""
+    plain = load_model(tiny_model_dir, **load)
+    linears = [m for m in plain.model.modules() if isinstance(m, QuantLinear)]
+    ranges = measure_ranges(plain.model, calibration_ids(plain.tokenizer), linears)
+    lin = plain.model.get_submodule(module_path)
+    return smoothing_factors(ranges.inputs[lin], lin.dequantize())
+
+
+def test_w8a8_linear_equals_reference_from_float_weight_smoothed(tiny_model_dir, tiny_float):
     q = load_model(tiny_model_dir, quant="w8a8")
     lin = q.model.layers[1].mlp.down_proj
-    ref_weight = tiny_float.model.layers[1].mlp.down_proj.weight
     assert isinstance(lin, QuantLinear) and lin.choice.uses_w8a8(1)
+    assert lin.qweight is None  # quant=w8a8: the smoothed layout replaced the original
+    # float weight -> int8 per channel (the load) -> smoothed and requantized (the calibration)
+    weight = dequantize(*quantize_int8(tiny_float.model.layers[1].mlp.down_proj.weight), None, 8)
+    smooth = _calibrated_smoothing(tiny_model_dir, "layers.1.mlp.down_proj", quant="int8")
     x = torch.randn(7, lin.in_features)
-    expected = w8a8_matmul_reference(x, *quantize_int8(ref_weight))
+    expected = w8a8_matmul_reference(x / smooth, *quantize_int8(weight * smooth))
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_smoothing_factors_balance_activation_and_weight_ranges():
+    weight = torch.tensor([[1.0, -8.0, 0.5], [-2.0, 2.0, 0.25]])
+    absmax = torch.tensor([4.0, 2.0, 0.0])
+    s = smoothing_factors(absmax, weight)
+    # alpha 0.5: s = sqrt(max|x| / max|w|), so both become sqrt(max|x| * max|w|); zero ranges stay finite
+    torch.testing.assert_close(s[:2], torch.tensor([(4 / 2) ** 0.5, (2 / 8) ** 0.5]))
+    torch.testing.assert_close(absmax[:2] / s[:2], weight.abs().amax(0)[:2] * s[:2])
+    assert torch.isfinite(s).all() and (s > 0).all()
+
+
+def test_smoothing_moves_an_outlier_channel_out_of_the_int8_step():
+    torch.manual_seed(0)
+    weight = torch.randn(256, 64)
+    x = torch.randn(16, 64)
+    x[:, 3] *= 50
+    s = smoothing_factors(x.abs().amax(0), weight)
+    exact = x @ weight.T
+    plain = w8a8_matmul_reference(x, *quantize_int8(weight))
+    smoothed = w8a8_matmul_reference(x / s, *quantize_int8(weight * s))
+    assert (smoothed - exact).norm() < (plain - exact).norm() / 2
 
 
 @pytest.mark.parametrize("lm_head", ["int8", "bf16", "none"])
@@ -63,7 +99,8 @@ def test_weight_only_switches_to_w8a8_from_a_batch_size(tiny_model_dir):
     # Packed for torch's CPU kernels where bf16 is native: bfloat16 activations, else the exact path.
     tol = 2**-7 if lin.cpu_packed is not None else 1e-6
     torch.testing.assert_close(lin(small), ref_small, rtol=tol, atol=tol * ref_small.abs().max().item())
-    expected = w8a8_matmul_reference(large, *quantize_int8(exact.dequantize()))  # requantized per channel
+    smooth = _calibrated_smoothing(tiny_model_dir, "layers.0.self_attn.qkv_proj", quant="int4", quant_group_size=32)
+    expected = w8a8_matmul_reference(large / smooth, *quantize_int8(exact.dequantize() * smooth))  # smoothed
     torch.testing.assert_close(lin(large), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     _logits(q, IDS)  # 12 rows: W8A8
     _logits(q, IDS[:2])  # 2 rows: weight-only
@@ -71,11 +108,13 @@ def test_weight_only_switches_to_w8a8_from_a_batch_size(tiny_model_dir):
     assert isinstance(q.model.lm_head, QuantLMHead)
 
 
-def test_int8_w8a8_layout_shares_the_weight(tiny_model_dir):
-    q = load_model(tiny_model_dir, quant="int8", w8a8_rows=16)
+def test_uncalibrated_int8_w8a8_layout_shares_the_weight(tiny_model_dir):
+    q = load_model(tiny_model_dir, quant="int8")
+    attach_w8a8(q.model, "int8", 16, "none")  # no calibration ids (as under tensor parallelism): no smoothing
     lin = q.model.layers[0].mlp.gate_up_proj
-    weight = lin.qweight if lin.cpu_packed is None else lin.cpu_packed.weight
-    assert lin.w8a8_weight.data_ptr() == weight.data_ptr()
+    assert lin.w8a8_weight.data_ptr() == lin.qweight.data_ptr() and lin.w8a8_smooth is None
+    calibrated = load_model(tiny_model_dir, quant="int8", w8a8_rows=16).model.layers[0].mlp.gate_up_proj
+    assert calibrated.w8a8_smooth is not None and not torch.equal(calibrated.w8a8_weight, lin.w8a8_weight)
 
 
 def test_bf16_lm_head_matches_bfloat16_matmul(tiny_model_dir):
@@ -133,12 +172,15 @@ def test_split_int8_head_is_the_w8a8_product_of_the_split_columns_and_beats_plai
     assert split_err < plain_err / 3
 
 
-def test_loaded_int8_head_splits_the_calibrated_channels_the_same_way_every_load(tiny_model_dir):
-    first = load_model(tiny_model_dir, quant="w8a8", quant_lm_head="int8").model
-    second = load_model(tiny_model_dir, quant="w8a8", quant_lm_head="int8").model
-    # the calibration pass (through the loaded W8A8 body) is seeded: the same columns every load
-    torch.testing.assert_close(final_hidden_absmax(first), final_hidden_absmax(second), rtol=0, atol=0)
-    copies = column_copies(final_hidden_absmax(first))
-    assert torch.equal(first.lm_head.columns, torch.repeat_interleave(torch.arange(copies.numel()), copies))
+def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_head_channels(tiny_model_dir):
+    first = load_model(tiny_model_dir, quant="int4", w8a8_rows=4).model
+    second = load_model(tiny_model_dir, quant="int4", w8a8_rows=4).model
+    for a, b in [(first.layers[1].mlp.down_proj, second.layers[1].mlp.down_proj)]:
+        assert torch.equal(a.w8a8_weight, b.w8a8_weight) and torch.equal(a.w8a8_smooth, b.w8a8_smooth)
     assert torch.equal(first.lm_head.columns, second.lm_head.columns)
+    plain = load_model(tiny_model_dir, quant="int4")
+    ranges = measure_ranges(plain.model, calibration_ids(plain.tokenizer),
+                            [m for m in plain.model.modules() if isinstance(m, QuantLinear)])
+    copies = column_copies(ranges.final)
+    assert torch.equal(first.lm_head.columns, torch.repeat_interleave(torch.arange(copies.numel()), copies))
     assert first.lm_head.columns.numel() > first.config.hidden_size  # the tiny model has outliers to split
