@@ -2,6 +2,7 @@
 
     python bench/batch_size.py --quant auto --batches 16,32,64,128,256
     python bench/batch_size.py --quant w8a8 --batches 64 --compile off,on  # side by side
+    python bench/batch_size.py --batches 64,128 --lm-head int8,bf16 --rounds 3  # side by side, alternating
 
 The same measurement `engine.max_batch_size=auto` makes at the start of a job
 (`pipeline.engine.batch_tuning.decode_rate`): for each batch size B, B distinct `--prompt-len`-token prompts
@@ -17,7 +18,6 @@ import os
 
 import torch
 
-from kernels.wq_cpu import native_bf16
 from pipeline.config import resolve_kv_dtype
 from pipeline.engine.batch_tuning import WITHIN, decode_rate, pick
 from pipeline.engine.config import EngineConfig
@@ -40,10 +40,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--within", type=float, default=WITHIN, help="suggest the smallest batch this close to the best")
     ap.add_argument("--compile", default="auto", help="engine.compile values to measure side by side, e.g. off,on")
+    ap.add_argument("--lm-head", default=None, help="model.quant_lm_head values side by side (default: the choice's)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every setting (the best counts)")
     args = ap.parse_args()
     path = args.model or default_model_path()
     batches = [int(b) for b in args.batches.split(",")]
-    quant, rows, head = args.quant, 16, "bf16" if native_bf16() else "int8"
+    quant, rows, head = args.quant, 16, "int8"
     if quant == "auto":
         hw = probe()
         profile = HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory)
@@ -51,26 +53,28 @@ def main() -> None:
         choice = choose_quant(base.config, profile, "gguf" if str(path).endswith(".gguf") else "int4",
                               hw.bf16_native, max(batches))
         quant, rows, head = choice.scheme, choice.w8a8_rows, choice.lm_head
-    settings = args.compile.split(",")
+    settings = [(c, h) for c in args.compile.split(",") for h in (args.lm_head or head).split(",")]
     # one model per setting: compiling changes a model for good
     kv_dtype = getattr(torch, resolve_kv_dtype("auto", quant, "float32", "cpu"))  # as the job's model.kv_cache_dtype=auto
-    models = {c: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=head, kv_dtype=kv_dtype) for c in settings}
+    models = {s: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=s[1], kv_dtype=kv_dtype) for s in settings}
     loaded = models[settings[0]]
     print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "
           f"model.quant={quant} (W8A8 {'at every step' if quant == 'w8a8' else f'from {rows} rows'}, "
-          f"LM head {head}, KV cache {str(kv_dtype).removeprefix('torch.')}); "
+          f"KV cache {str(kv_dtype).removeprefix('torch.')}); "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     config = EngineConfig(kv_cache_memory=args.kv_cache_memory)
     capacity = config.kv_cache_bytes // kv_bytes_per_block(loaded.model, config.block_size) * config.block_size
     rates = {}
     for batch in batches:
-        for setting in settings:
-            engine = Engine(models[setting], EngineConfig(kv_cache_memory=args.kv_cache_memory, max_batch_size=batch,
-                                                          max_batched_tokens=4096, compile=setting))
-            rate = decode_rate(engine, batch, args.prompt_len, args.steps)
-            rates[batch] = max(rates.get(batch, 0.0), rate)
-            print(f"batch {batch:4d}, engine.compile={setting}: {1e3 * batch / rate:7.1f} ms/step  "
-                  f"{rate:7.1f} tok/s", flush=True)
+        for round_ in range(args.rounds):
+            for compile_, lm_head in settings:
+                engine = Engine(models[compile_, lm_head], EngineConfig(
+                    kv_cache_memory=args.kv_cache_memory, max_batch_size=batch, max_batched_tokens=4096,
+                    compile=compile_))
+                rate = decode_rate(engine, batch, args.prompt_len, args.steps)
+                rates[batch] = max(rates.get(batch, 0.0), rate)
+                print(f"batch {batch:4d}, round {round_}, engine.compile={compile_}, LM head {lm_head}: "
+                      f"{1e3 * batch / rate:7.1f} ms/step  {rate:7.1f} tok/s", flush=True)
     fits = {b for b in batches if b * (args.prompt_len + args.max_tokens) <= capacity}
     if not fits:
         print("no measured batch fits the KV budget")
