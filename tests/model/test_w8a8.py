@@ -175,8 +175,8 @@ def test_split_int8_head_is_the_w8a8_product_of_the_split_columns_and_beats_plai
 def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_head_channels(tiny_model_dir):
     first = load_model(tiny_model_dir, quant="int4", w8a8_rows=4).model
     second = load_model(tiny_model_dir, quant="int4", w8a8_rows=4).model
-    for a, b in [(first.layers[1].mlp.down_proj, second.layers[1].mlp.down_proj)]:
-        assert torch.equal(a.w8a8_weight, b.w8a8_weight) and torch.equal(a.w8a8_smooth, b.w8a8_smooth)
+    a, b = first.layers[1].mlp.down_proj, second.layers[1].mlp.down_proj
+    assert torch.equal(a.w8a8_weight, b.w8a8_weight) and torch.equal(a.w8a8_smooth, b.w8a8_smooth)
     assert torch.equal(first.lm_head.columns, second.lm_head.columns)
     plain = load_model(tiny_model_dir, quant="int4")
     ranges = measure_ranges(plain.model, calibration_ids(plain.tokenizer),
