@@ -51,7 +51,8 @@ class KernelChoice:
     steps: Counter = field(default_factory=Counter)
 
     def uses_w8a8(self, rows: int) -> bool:
-        return self.w8a8_rows is not None and rows >= self.w8a8_rows
+        """quant=w8a8 (no weight-only kernel) at any row count, even none; else from `w8a8_rows` rows."""
+        return self.w8a8_rows is not None and (rows >= self.w8a8_rows or not self.weight_only)
 
     def record(self, rows: int) -> None:
         self.steps["w8a8" if self.uses_w8a8(rows) else self.weight_only] += 1

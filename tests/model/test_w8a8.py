@@ -48,6 +48,7 @@ def test_w8a8_linear_equals_reference_from_float_weight_smoothed(tiny_model_dir,
     lin = q.model.layers[1].mlp.down_proj
     assert isinstance(lin, QuantLinear) and lin.choice.uses_w8a8(1)
     assert lin.qweight is None  # quant=w8a8: the smoothed layout replaced the original
+    assert lin(torch.randn(0, lin.in_features)).shape == (0, lin.out_features)  # no rows: still W8A8
     # float weight -> int8 per channel (the load) -> smoothed and requantized (the calibration)
     weight = dequantize(*quantize_int8(tiny_float.model.layers[1].mlp.down_proj.weight), None, 8)
     smooth = _calibrated_smoothing(tiny_model_dir, "layers.1.mlp.down_proj", quant="int8")
