@@ -33,13 +33,17 @@ def tiny_float(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
+def _measured_independently(tiny_model_dir, **load):
+    """(model, ranges): a model loaded without W8A8 calls and the calibration text run through it."""
+    loaded = load_model(tiny_model_dir, **load)
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    return loaded.model, measure_ranges(loaded.model, calibration_ids(loaded.tokenizer), linears)
+
+
 def _calibrated_smoothing(tiny_model_dir, module_path: str, **load) -> torch.Tensor:
-    """The smoothing factors of one linear, measured independently: a model loaded without W8A8 calls, the
-    calibration text run through it, `smoothing_factors` of the ranges seen and the linear's weight."""
-    plain = load_model(tiny_model_dir, **load)
-    linears = [m for m in plain.model.modules() if isinstance(m, QuantLinear)]
-    ranges = measure_ranges(plain.model, calibration_ids(plain.tokenizer), linears)
-    lin = plain.model.get_submodule(module_path)
+    """The smoothing factors of one linear: `smoothing_factors` of the ranges seen and the linear's weight."""
+    plain, ranges = _measured_independently(tiny_model_dir, **load)
+    lin = plain.get_submodule(module_path)
     return smoothing_factors(ranges.inputs[lin], lin.dequantize())
 
 
@@ -179,9 +183,7 @@ def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_h
     a, b = first.layers[1].mlp.down_proj, second.layers[1].mlp.down_proj
     assert torch.equal(a.w8a8_weight, b.w8a8_weight) and torch.equal(a.w8a8_smooth, b.w8a8_smooth)
     assert torch.equal(first.lm_head.columns, second.lm_head.columns)
-    plain = load_model(tiny_model_dir, quant="int4")
-    ranges = measure_ranges(plain.model, calibration_ids(plain.tokenizer),
-                            [m for m in plain.model.modules() if isinstance(m, QuantLinear)])
+    _, ranges = _measured_independently(tiny_model_dir, quant="int4")
     copies = column_copies(ranges.final)
     assert torch.equal(first.lm_head.columns, torch.repeat_interleave(torch.arange(copies.numel()), copies))
     assert first.lm_head.columns.numel() > first.config.hidden_size  # the tiny model has outliers to split
