@@ -6,11 +6,14 @@ Sections (each row of the table says what it measured):
 1. kernels: every Triton kernel against its torch reference (max error; pass/fail by tolerance);
 2. agreement: the engine's greedy tokens on the real model (bf16 and float32 on the GPU) against the CPU
    float32 engine, as the share of sequences identical and of tokens before the first difference;
-3. decode: generated tokens/s at batch 1, 64 and 256, with and without CUDA graphs;
-4. GEMM: W4A16, W8A16, FP8 and bf16 throughput at decode shapes against torch.matmul and the HBM roofline;
-5. job: `python -m pipeline` on 1,024 prompts, its tokens/s and roofline share, against Hugging Face
+3. quant: each model.quant on the GPU (the calibrated W8A8 path included): held-out perplexity and argmax
+   agreement against bf16, and decode tokens/s at batch 256 with CUDA graphs;
+4. decode: generated tokens/s at batch 1, 64 and 256, with and without CUDA graphs;
+5. GEMM: W4A16, W8A16, W8A8 (Triton and torch._int_mm), FP8 and bf16 throughput at decode shapes against
+   torch.matmul and the HBM roofline;
+6. job: `python -m pipeline` on 1,024 prompts, its tokens/s and roofline share, against Hugging Face
    `transformers` `generate` at its best batch on the same GPU.
-Without --model (or a missing file) sections 2 and 5 are skipped and 3 runs random SmolLM2-shaped weights.
+Without --model (or a missing file) sections 2, 3 and 6 are skipped and 4 runs random SmolLM2-shaped weights.
 """
 
 from __future__ import annotations
@@ -18,20 +21,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import quant as quant_bench  # noqa: E402  (bench/quant.py: the CPU table's held-out text and perplexity)
 import torch  # noqa: E402
 
 from kernels import paged_attention as pa  # noqa: E402
+from kernels.dispatch import int_mm_w8a8  # noqa: E402
 from kernels.fp8 import fp8_matmul, fp8_matmul_reference, quantize_fp8_weight  # noqa: E402
 from kernels.paged_attention_reference import paged_decode_reference, paged_prefill_reference  # noqa: E402
+from kernels.w8a8_reference import w8a8_matmul_reference  # noqa: E402
+from kernels.w8a8_triton import w8a8_matmul_triton  # noqa: E402
 from kernels.wq_reference import quantize_int4, quantize_int8, wq_matmul_reference  # noqa: E402
 from kernels.wq_triton import wq_matmul_triton  # noqa: E402
 
@@ -95,6 +105,12 @@ def check_kernels() -> None:
             y = wq_matmul_triton(x, q, s, mins, bits)
             _verdict("kernels", f"W{bits}A16 g{group or 'chan'} M={m} N={n} K={k}", y, wq_matmul_reference(x, q, s, mins, bits),
                      2**-7)
+    for m, n, k in ((1, 4096, 4096), (7, 1000, 4096), (64, 3072, 576), (257, 49152, 641)):
+        w = torch.randn(n, k, device=dev, generator=g) * 0.02
+        qw, sw = quantize_int8(w)
+        x = torch.randn(m, k, device=dev, generator=g).to(bf16)
+        _verdict("kernels", f"W8A8 Triton int8 GEMM M={m} N={n} K={k}", w8a8_matmul_triton(x, qw, sw),
+                 w8a8_matmul_reference(x, qw, sw), 2**-7)
     for m in (1, 64):
         w = torch.randn(4096, 4096, device=dev, generator=g) * 0.02
         wq, ws = quantize_fp8_weight(w)
@@ -182,7 +198,74 @@ def _common(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-# ---------------------------------------------------------------------------------------------- 3. decode
+# ----------------------------------------------------------------------------------------------- 3. quant
+QUANT_MODES = ("none", "w8a8", "int8", "int4", "fp8")
+
+
+def check_quant(model_path: str, tokens: int, batch: int, new_tokens: int) -> None:
+    """Every quantized format on the GPU against bf16 on the same GPU: the CPU table's held-out text
+    (bench/quant.py), and the engine's decode speed with CUDA graphs."""
+    from pipeline.model.loader import load_model
+
+    ref = None
+    for quant in QUANT_MODES:
+        try:
+            t0 = time.perf_counter()
+            loaded = load_model(model_path, torch.bfloat16, device="cuda", quant=quant)
+            load_s = time.perf_counter() - t0
+            model = loaded.model
+            if ref is None:
+                text = "\n\n".join(quant_bench.docstrings(quant_bench.TEXT_MODULES))
+                ids = loaded.tokenizer.encode(text)[:tokens]
+            with torch.inference_mode():
+                ppl = quant_bench.perplexity(model, ids)
+                first = torch.tensor(ids[:512], device="cuda")[None]
+                cache = quant_bench.UniformBatchCache(model.config.num_layers, 1, model.scale)
+                logits = quant_bench.forward_batch(model, first, cache, 0)[0].float()
+            rate = _decode_rate(loaded, batch, new_tokens)
+            if ref is None:
+                ref = (ppl, logits)
+            agree = (logits.argmax(-1) == ref[1].argmax(-1)).float().mean().item()
+            err = (logits - ref[1]).abs().max().item()
+            # W8A8's bound on the CPU is +2% perplexity against float32; the same bound against bf16 here.
+            verdict = ("ok" if ppl <= 1.02 * ref[0] else "over +2% ppl") if quant == "w8a8" else ""
+            row("quant", f"{quant} bf16: ppl, argmax vs bf16, max logit err ({len(ids)} tokens)",
+                f"{ppl:.3f} ({100 * (ppl / ref[0] - 1):+.2f}%), {100 * agree:.1f}%, {err:.2f}", verdict)
+            row("quant", f"{quant} bf16: load (+calibration), decode batch {batch} graphs",
+                f"{load_s:.1f} s, {rate:,.0f} tok/s")
+        except Exception as e:  # one broken format must not hide the others' figures
+            traceback.print_exc()
+            row("quant", f"{quant}: failed", f"{type(e).__name__}: {str(e)[:60]}", "FAIL")
+        finally:
+            loaded = model = None
+            torch.cuda.empty_cache()
+
+
+def _decode_rate(loaded, batch: int, new_tokens: int, graphs: bool = True) -> float:
+    """Generated tokens/s of the engine on `batch` random 16-token prompts (prefill included), after a
+    warm-up request (graph capture, compilation, autotuning)."""
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.request import Request, SamplingParams
+
+    eng = Engine(loaded, EngineConfig(device="cuda", kv_cache_memory=KV_IN_PROCESS, max_batch_size=batch,
+                                      cuda_graphs=graphs, max_batched_tokens=max(512, 16 * batch),
+                                      prefix_caching=False))
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [Request(i, torch.randint(1, 40000, (16,), generator=g).tolist(), sp) for i in range(batch)]
+    list(eng.generate(reqs[:1]))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    generated = sum(len(r.token_ids) for r in eng.generate(reqs))
+    torch.cuda.synchronize()
+    rate = generated / (time.perf_counter() - t0)
+    del eng
+    torch.cuda.empty_cache()
+    return rate
+
+
+# ---------------------------------------------------------------------------------------------- 4. decode
 def _smollm2_shaped(model_path: str | None):
     """The real model in bf16, or random weights of its shape (decode speed does not depend on values)."""
     from pipeline.model.config import ModelConfig
@@ -209,37 +292,19 @@ def _smollm2_shaped(model_path: str | None):
 
 
 def check_decode(model_path: str | None, batches: tuple[int, ...], new_tokens: int) -> dict:
-    from pipeline.engine.config import EngineConfig
-    from pipeline.engine.engine import Engine
-    from pipeline.engine.request import Request, SamplingParams
-
     loaded = _smollm2_shaped(model_path)
     speeds = {}
-    g = torch.Generator().manual_seed(0)
     for batch in batches:
         for graphs in (False, True):
-            eng = Engine(loaded, EngineConfig(device="cuda", kv_cache_memory=KV_IN_PROCESS, max_batch_size=batch,
-                                              cuda_graphs=graphs,
-                                              max_batched_tokens=max(512, 16 * batch), prefix_caching=False))
-            sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-            reqs = [Request(i, torch.randint(1, 40000, (16,), generator=g).tolist(), sp) for i in range(batch)]
-            list(eng.generate(reqs[:1]))  # warm-up: compile, autotune
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            tokens = sum(len(r.token_ids) for r in eng.generate(reqs))
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            speeds[batch, graphs] = tokens / wall
+            rate = speeds[batch, graphs] = _decode_rate(loaded, batch, new_tokens, graphs)
             row("decode", f"batch {batch}, CUDA graphs {'on' if graphs else 'off'} (16-token prompts)",
-                f"{tokens / wall:,.0f} tok/s ({1e3 * wall / new_tokens:.2f} ms/step)")
-            del eng
-            torch.cuda.empty_cache()
+                f"{rate:,.0f} tok/s ({1e3 * batch / rate:.2f} ms/step)")
         row("decode", f"batch {batch}: graphs / eager", f"{speeds[batch, True] / speeds[batch, False]:.2f}x",
             ("ok" if speeds[batch, True] >= 3 * speeds[batch, False] else "below 3x") if batch == 1 else "")
     return speeds
 
 
-# ------------------------------------------------------------------------------------------------ 4. GEMM
+# ------------------------------------------------------------------------------------------------ 5. GEMM
 def check_gemm(bandwidth_gbs: float, shapes: dict[str, tuple[int, int]], ms: tuple[int, ...]) -> None:
     dev, bf16 = "cuda", torch.bfloat16
     for name, (n, k) in shapes.items():
@@ -250,12 +315,17 @@ def check_gemm(bandwidth_gbs: float, shapes: dict[str, tuple[int, int]], ms: tup
             size = sum(t.numel() * t.element_size() for t in (q, s, mins) if t is not None)
             formats[f"W{bits}A16 g{group or 'chan'}"] = (
                 lambda x, q=q, s=s, mins=mins, bits=bits: wq_matmul_triton(x, q, s, mins, bits), size)
+        qw, sw = quantize_int8(w)
+        formats["W8A8 Triton"] = (lambda x, qw=qw, sw=sw: w8a8_matmul_triton(x, qw, sw), n * k + 4 * n)
+        formats["W8A8 _int_mm"] = (lambda x, qw=qw, sw=sw: int_mm_w8a8(x, qw, sw), n * k + 4 * n)
         wq, ws = quantize_fp8_weight(w)
         formats["FP8 W8A8"] = (lambda x, wq=wq, ws=ws: fp8_matmul(x, wq, ws), n * k + 4 * n)
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=bf16)
             dense = timed(lambda x=x, w=w: torch.matmul(x, w.T))
             for label, (fn, wbytes) in formats.items():
+                if label == "W8A8 _int_mm" and m <= 16:
+                    continue  # cuBLASLt's int8 GEMM takes more than 16 rows
                 sec = dense if label.startswith("bf16") else timed(lambda fn=fn, x=x: fn(x))
                 moved = wbytes + (m * k + m * n) * 2
                 pct = 100 * moved / sec / 1e9 / bandwidth_gbs
@@ -267,7 +337,7 @@ def check_gemm(bandwidth_gbs: float, shapes: dict[str, tuple[int, int]], ms: tup
                     f"{dense / sec:4.2f}x matmul", verdict)
 
 
-# ------------------------------------------------------------------------------------------------- 5. job
+# ------------------------------------------------------------------------------------------------- 6. job
 def check_job(model_path: str, rows: int, max_tokens: int) -> None:
     import pyarrow as pa_
     import pyarrow.parquet as pq
@@ -331,7 +401,7 @@ LLAMA8B = {"o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 1433
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="SmolLM2-135M-Instruct GGUF (sections 2 and 5 need it)")
+    ap.add_argument("--model", help="SmolLM2-135M-Instruct GGUF (sections 2, 3 and 6 need it)")
     ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="HBM bandwidth (H200: 4800)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and tokens (a first look)")
@@ -344,24 +414,36 @@ def main() -> None:
     sections = [("kernels", check_kernels)]
     if model:
         sections.append(("agreement", lambda: check_agreement(model, 16 if args.quick else 64, 32)))
+        sections.append(("quant", lambda: check_quant(model, 1024 if args.quick else 4096, 256,
+                                                      64 if args.quick else 128)))
     sections.append(("decode", lambda: check_decode(model, (1, 64, 256), 64 if args.quick else 128)))
     sections.append(("gemm", lambda: check_gemm(args.bandwidth_gbs, {"o_proj": (4096, 4096)} if args.quick
                                                 else LLAMA8B, (1, 16, 64, 256))))
     if model:
         sections.append(("job", lambda: check_job(model, 1024, 64 if args.quick else 128)))
-    for name, fn in sections:
-        t0 = time.perf_counter()
-        try:
-            fn()
-        except Exception as e:  # one broken section must not hide the others' figures
-            row(name, "section failed", f"{type(e).__name__}: {str(e)[:60]}", "FAIL")
-        print(f"# {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    # A time limit (bench/gpu_check.sh's `timeout`) ends the run with the table of what was measured.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("gpu_check: stopped by SIGTERM"))
+    try:
+        for name, fn in sections:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as e:  # one broken section must not hide the others' figures
+                traceback.print_exc()
+                row(name, "section failed", f"{type(e).__name__}: {str(e)[:60]}", "FAIL")
+            print(f"# {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        summarize(args.json)
+    sys.exit(1 if any(r[3] == "FAIL" for r in TABLE) else 0)
+
+
+def summarize(json_path: Path | None) -> None:
+    """The summary table on stdout, and the rows as JSON where asked."""
     print("\n| section | case | figure | verdict |\n| --- | --- | --- | --- |")
     for r in TABLE:
-        print("| " + " | ".join(r) + " |")
-    if args.json:
-        args.json.write_text(json.dumps([dict(zip(("section", "case", "figure", "verdict"), r)) for r in TABLE], indent=1))
-    sys.exit(1 if any(r[3] == "FAIL" for r in TABLE) else 0)
+        print("| " + " | ".join(r) + " |", flush=True)
+    if json_path:
+        json_path.write_text(json.dumps([dict(zip(("section", "case", "figure", "verdict"), r)) for r in TABLE], indent=1))
 
 
 if __name__ == "__main__":

@@ -38,4 +38,4 @@ args=(--model "$model" "$@")
 if [[ -n "${OUT:-}" ]]; then args+=(--json "$OUT/gpu_check.json"); fi
 export PYTHONUNBUFFERED=1
 set -o pipefail
-timeout 470 python3 bench/gpu_check.py "${args[@]}" 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
+timeout 500 python3 bench/gpu_check.py "${args[@]}" 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"

@@ -90,7 +90,7 @@ class UniformBatchCache:
         start = 0 if self.k[layer] is None else self.k[layer].shape[2]
         self.k[layer] = k4 if self.k[layer] is None else torch.cat([self.k[layer], k4], dim=2)
         self.v[layer] = v4 if self.v[layer] is None else torch.cat([self.v[layer], v4], dim=2)
-        mask = torch.arange(start + t)[None, :] <= (start + torch.arange(t))[:, None]
+        mask = torch.arange(start + t, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
         out = F.scaled_dot_product_attention(q4, self.k[layer], self.v[layer], attn_mask=mask,
                                              scale=self.scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2]).to(q.dtype)
@@ -99,7 +99,7 @@ class UniformBatchCache:
 def forward_batch(model, tokens: torch.Tensor, cache: UniformBatchCache, start: int) -> torch.Tensor:
     """Logits [B, t, vocab] for tokens [B, t] at positions start..start+t-1."""
     b, t = tokens.shape
-    positions = (start + torch.arange(t)).repeat(b)
+    positions = (start + torch.arange(t, device=tokens.device)).repeat(b)
     hidden = model(tokens.reshape(-1), positions, cache)
     return model.compute_logits(hidden).reshape(b, t, -1)
 
@@ -128,7 +128,7 @@ def agreement(model, prompts: torch.Tensor, ref: torch.Tensor, gen: torch.Tensor
 def perplexity(model, ids: list[int], chunk: int = 512) -> float:
     nll, count = 0.0, 0
     for s in range(0, len(ids) - 1, chunk):
-        piece = torch.tensor(ids[s : s + chunk + 1])
+        piece = torch.tensor(ids[s : s + chunk + 1], device=model.norm.weight.device)
         cache = UniformBatchCache(model.config.num_layers, 1, model.scale)
         logits = forward_batch(model, piece[None, :-1], cache, 0)[0]
         nll += F.cross_entropy(logits, piece[1:], reduction="sum").item()

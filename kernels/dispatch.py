@@ -38,6 +38,11 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) ->
         from kernels.w8a8_triton import w8a8_matmul_triton
 
         return w8a8_matmul_triton(x, qweight, wscale)
+    return int_mm_w8a8(x, qweight, wscale)
+
+
+def int_mm_w8a8(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """W8A8 through `torch._int_mm` (oneDNN on CPU; cuBLASLt on CUDA, which needs more than 16 rows)."""
     x2 = x.reshape(-1, x.shape[-1])
     q, sx = quantize_rows(x2)
     acc = torch._int_mm(q, qweight.t())
