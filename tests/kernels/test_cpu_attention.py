@@ -30,7 +30,7 @@ def scattered_pools(hkv: int, num_blocks: int, block: int, dim: int, seed: int =
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16)])
+@pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16), (64, 3, 64)])
 def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
     """bfloat16 pools: the reference reads the same rounded keys, widened; all arithmetic is float32."""
     kernel = kernel_or_skip(dim, group, block, kv_dtype)
@@ -45,14 +45,16 @@ def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
     torch.testing.assert_close(out, paged_decode_reference(q, k, v, tables, lens, dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
-def test_reads_only_keys_from_first_to_len():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_reads_only_keys_from_first_to_len(kv_dtype):
     """Keys before `first` (a sliding window) and past `lens` (the rest of the last block) are NaN: any read
     of them would spread NaN."""
     dim, group, block = 64, 3, 16
-    kernel = kernel_or_skip(dim, group, block)
+    kernel = kernel_or_skip(dim, group, block, kv_dtype)
     lens = torch.tensor([20, 50, 37, 5])
     first = torch.tensor([3, 33, 16, 0])
     k, v, perm = scattered_pools(3, 32, block, dim, seed=1)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
     tables = perm[:16].view(4, 4).contiguous()
     for row, (lo, hi) in enumerate(zip(first.tolist(), lens.tolist())):
         for pos in [*range(0, lo), *range(hi, 4 * block)]:
@@ -61,17 +63,20 @@ def test_reads_only_keys_from_first_to_len():
     q = torch.randn(4, 3 * group, dim)
     out = kernel(q, k, v, tables, lens, first, 0.125)
     expect = torch.stack([
-        attention_part(q[r : r + 1], gather_keys(k, tables[r], lo, hi), gather_keys(v, tables[r], lo, hi), 0.125)[0][0]
+        attention_part(q[r : r + 1], gather_keys(k, tables[r], lo, hi).float(),
+                       gather_keys(v, tables[r], lo, hi).float(), 0.125)[0][0]
         for r, (lo, hi) in enumerate(zip(first.tolist(), lens.tolist()))])
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
-def test_large_score_spread_stays_exact():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_large_score_spread_stays_exact(kv_dtype):
     """Scores far apart (the online softmax rescales often, exp underflows to 0) match the reference."""
     dim, group, block = 64, 3, 16
-    kernel = kernel_or_skip(dim, group, block)
+    kernel = kernel_or_skip(dim, group, block, kv_dtype)
     k, v, perm = scattered_pools(3, 12, block, dim, seed=2)
     k *= torch.linspace(0.1, 30, block * 12).view(1, 12, block, 1)  # later keys score much higher
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
     tables = perm.view(2, 6).contiguous()
     lens = torch.tensor([96, 70])
     q = torch.randn(2, 9, dim)
