@@ -6,8 +6,11 @@
  * serving the whole query group of that KV head from one read of each key and value.
  *
  * Pools are [num_kv_heads, num_blocks, BLOCK, HEAD_DIM] (PagedAttention's layout), float32, or bfloat16
- * with -DKV_BF16 (half the bytes to read; widened to float32 on load, all arithmetic in float32); q and out
- * are float32 [rows, num_kv_heads * GROUP, HEAD_DIM]. HEAD_DIM, GROUP (query heads per KV head) and BLOCK
+ * with -DKV_BF16 (half the bytes to read; widened to float32 on load, all arithmetic in float32), or int8
+ * with -DKV_I8 (a quarter: each key and value vector of HEAD_DIM is stored as round(x / s) with its own
+ * scale s = max|x| / 127, kept in float32 scale pools [num_kv_heads, num_blocks, BLOCK]; the key's scale
+ * multiplies its score and the value's its probability). q and out are float32
+ * [rows, num_kv_heads * GROUP, HEAD_DIM]. HEAD_DIM, GROUP (query heads per KV head) and BLOCK
  * (tokens per block) are compile-time constants (-D flags) so that every loop has a fixed trip count; the
  * build is cached per combination (kernels/cpu_attention.py). Threads: OpenMP, the runtime torch already
  * loaded.
@@ -81,6 +84,28 @@ static inline void store_kv(kv_t *p, vec x)
     const hvec h = __builtin_convertvector(out, hvec);
     memcpy(p, &h, sizeof h);
 }
+#elif defined(KV_I8)
+typedef int8_t kv_t;
+/* int8 -> float32 widening and float32 -> int8 narrowing of one vector (the compiler's generic vector
+ * conversions here come out as scalar code). Narrowing takes values already rounded, within -127..127. */
+#if VEC == 16
+static inline vec load_kv(const kv_t *p)
+{
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline void store_i8(kv_t *p, vec x) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32((__m512)x))); }
+#else
+static inline vec load_kv(const kv_t *p)
+{
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void store_i8(kv_t *p, vec x)
+{
+    const __m256i i = _mm256_cvtps_epi32((__m256)x);
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(h, h));
+}
+#endif
 #else
 typedef float kv_t;
 static inline vec load_kv(const kv_t *p) { return load(p); }
@@ -109,29 +134,53 @@ static inline vec vexp(vec x)
     return (vec)((ivec)(p * (vec)bits) & live);
 }
 
+#ifdef KV_I8
+/* One vector of HEAD_DIM floats as int8 with its scale: s = max|x| / 127, q = round(x / s) (ties to even,
+ * as torch.round), and s = 0 (q = 0) for a zero vector. */
+static inline void store_row(kv_t *dst, float *scale, const float *x)
+{
+    vec top = splat(0.0f);
+    for (int c = 0; c < HEAD_DIM; c += VEC) {
+        const vec a = load(x + c);
+        top = vmax(top, vmax(a, -a));
+    }
+    const float s = hmax(top) / 127.0f;
+    *scale = s;
+    const vec div = splat(s > 0.0f ? s : 1.0f);
+    const vec magic = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to nearest even */
+    for (int c = 0; c < HEAD_DIM; c += VEC) store_i8(dst + c, (load(x + c) / div + magic) - magic);
+}
+#else
+static inline void store_row(kv_t *dst, float *scale, const float *x)
+{
+    (void)scale;
+    for (int c = 0; c < HEAD_DIM; c += VEC) store_kv(dst + c, load(x + c));
+}
+#endif
+
 /* The step's new keys and values into their slots: k and v are float32 [n, num_kv_heads, HEAD_DIM], token i
- * goes to slot slots[i] (block * BLOCK + offset) of every head's pool, converted to the pool's dtype. One
- * pass instead of a cast and an index_copy per pool. */
+ * goes to slot slots[i] (block * BLOCK + offset) of every head's pool, converted to the pool's dtype (int8
+ * pools: with its scale into the scale pools, which other dtypes do not have). One pass instead of a cast
+ * and an index_copy per pool. */
 void paged_write(const float *k, const float *v, const int64_t *slots, int64_t n, kv_t *k_pool, kv_t *v_pool,
-                 int64_t num_kv_heads, int64_t num_blocks)
+                 float *k_scale, float *v_scale, int64_t num_kv_heads, int64_t num_blocks)
 {
 #pragma omp parallel for collapse(2) if (n * num_kv_heads > 4096)
     for (int64_t i = 0; i < n; i++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t src = (i * num_kv_heads + h) * HEAD_DIM;
-            const int64_t dst = (h * num_blocks * BLOCK + slots[i]) * HEAD_DIM;
-            for (int c = 0; c < HEAD_DIM; c += VEC) {
-                store_kv(k_pool + dst + c, load(k + src + c));
-                store_kv(v_pool + dst + c, load(v + src + c));
-            }
+            const int64_t slot = h * num_blocks * BLOCK + slots[i];
+            store_row(k_pool + slot * HEAD_DIM, k_scale + slot, k + src);
+            store_row(v_pool + slot * HEAD_DIM, v_scale + slot, v + src);
         }
     }
 }
 
 /* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. */
-void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const int64_t *tables,
-                      int64_t table_stride, const int64_t *lens, const int64_t *first, float *out, int64_t rows,
-                      int64_t num_kv_heads, int64_t num_blocks, float scale)
+void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const float *k_scale,
+                  const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                  const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
+                  float scale)
 {
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t r = 0; r < rows; r++) {
@@ -158,6 +207,12 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                  * not follow): a slice of it per key, so that its loads overlap this block's arithmetic. */
                 const kv_t *next_k = start + BLOCK < end
                     ? k_pool + (h * num_blocks + table[start / BLOCK + 1]) * BLOCK * HEAD_DIM : NULL;
+#ifdef KV_I8
+                if (next_k) { /* the next block's BLOCK scales: one cache line each for keys and values */
+                    __builtin_prefetch(k_scale + (next_k - k_pool) / HEAD_DIM);
+                    __builtin_prefetch(v_scale + (next_k - k_pool) / HEAD_DIM);
+                }
+#endif
                 float s[GROUP][BLOCK];
                 for (int g = 0; g < GROUP; g++)
                     for (int t = 0; t < BLOCK; t++) s[g][t] = -INFINITY;
@@ -174,6 +229,10 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                         for (int c = 1; c < CHUNKS; c++) dot += qs[g][c] * k[c];
                         s[g][t] = hsum(dot);
                     }
+#ifdef KV_I8
+                    const float ks = k_scale[(kb - k_pool) / HEAD_DIM + t];
+                    for (int g = 0; g < GROUP; g++) s[g][t] *= ks;
+#endif
                 }
                 for (int g = 0; g < GROUP; g++) {
                     vec top = load(s[g]);
@@ -193,8 +252,15 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                 for (int t = lo; t < hi; t++) {
                     vec v[CHUNKS];
                     for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vb + t * HEAD_DIM + c * VEC);
-                    for (int g = 0; g < GROUP; g++)
-                        for (int c = 0; c < CHUNKS; c++) acc[g][c] += s[g][t] * v[c];
+#ifdef KV_I8
+                    const float vs = v_scale[(vb - v_pool) / HEAD_DIM + t];
+#else
+                    const float vs = 1.0f;
+#endif
+                    for (int g = 0; g < GROUP; g++) {
+                        const float p = s[g][t] * vs;
+                        for (int c = 0; c < CHUNKS; c++) acc[g][c] += p * v[c];
+                    }
                 }
             }
             float *o = out + (r * num_kv_heads + h) * GROUP * HEAD_DIM;

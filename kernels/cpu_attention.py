@@ -34,7 +34,23 @@ class NativeKernelUnavailable(RuntimeError):
     """The native kernel cannot run here; the message says why."""
 
 
-KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads (bfloat16: -DKV_BF16)
+# pool dtypes the kernel reads (bfloat16: -DKV_BF16; int8: -DKV_I8, with a float32 scale per key and value)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_DEFINES = {torch.bfloat16: "-DKV_BF16", torch.int8: "-DKV_I8"}
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] float -> (q int8 [..., D], scale float32 [...]): the int8 pools' format, one scale per
+    vector, s = max|x| / 127 and q = round(x / s) (a zero vector: s = 0, q = 0)."""
+    x = x.float()
+    scale = x.abs().amax(-1) / 127
+    q = torch.round(x / torch.where(scale > 0, scale, 1.0)[..., None]).to(torch.int8)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 vectors int8 pools stand for."""
+    return q.float() * scale[..., None]
 
 
 class PagedDecodeKernel:
@@ -44,16 +60,18 @@ class PagedDecodeKernel:
         self.head_dim, self.group, self.block_size, self.kv_dtype = head_dim, group, block_size, kv_dtype
         self._fn = library.paged_decode
         self._fn.restype = None
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
             ctypes.c_int64] * 3 + [ctypes.c_float]
         self._write = library.paged_write
         self._write.restype = None
-        self._write.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        self._write.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
-              v_pool: torch.Tensor) -> None:
+              v_pool: torch.Tensor, k_scales: torch.Tensor | None = None,
+              v_scales: torch.Tensor | None = None) -> None:
         """Store token i's k[i], v[i] ([n, Hkv, D] float32) at slot slots[i] (block * block_size + offset) of
-        the pools, rounded to the pools' dtype as `Tensor.to` rounds."""
+        the pools, rounded to the pools' dtype as `Tensor.to` rounds (int8 pools: as `quantize_kv`, the
+        scales into k_scales / v_scales [Hkv, num_blocks, block_size] float32)."""
         hkv, num_blocks, block_size, dim = k_pool.shape
         if (dim, block_size) != (self.head_dim, self.block_size) or k.shape != v.shape or k.shape[1:] != (hkv, dim):
             raise ValueError(f"kernel built for head_dim/block {self.head_dim}/{self.block_size}, called with "
@@ -63,13 +81,16 @@ class PagedDecodeKernel:
             _check(name, t, dtype)
         if slots.shape != (k.shape[0],):
             raise ValueError(f"slots must have {k.shape[0]} entries, got {tuple(slots.shape)}")
+        ks, vs = self._scales(k_pool, k_scales, v_scales)
         self._write(k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0], k_pool.data_ptr(), v_pool.data_ptr(),
-                    hkv, num_blocks)
+                    ks, vs, hkv, num_blocks)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor, first: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [rows, Hq, D] float32 over pools [Hkv, num_blocks, block_size, D]: row r sees its keys at
-        positions first[r] .. lens[r] - 1 through block table tables[r] (int64). Returns [rows, Hq, D] float32."""
+                 lens: torch.Tensor, first: torch.Tensor, scale: float, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """q [rows, Hq, D] float32 over pools [Hkv, num_blocks, block_size, D] (int8 pools: with their
+        scales): row r sees its keys at positions first[r] .. lens[r] - 1 through block table tables[r]
+        (int64). Returns [rows, Hq, D] float32."""
         rows, hq, dim = q.shape
         hkv, num_blocks, block_size, _ = k_pool.shape
         if (dim, hq // hkv, block_size) != (self.head_dim, self.group, self.block_size):
@@ -82,10 +103,26 @@ class PagedDecodeKernel:
         if tables.shape[0] != rows or lens.shape != (rows,) or first.shape != (rows,):
             raise ValueError(f"tables/lens/first must have {rows} rows, got {tuple(tables.shape)}, "
                              f"{tuple(lens.shape)}, {tuple(first.shape)}")
+        ks, vs = self._scales(k_pool, k_scales, v_scales)
         out = torch.empty_like(q)
-        self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.shape[1],
+        self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), ks, vs, tables.data_ptr(), tables.shape[1],
                  lens.data_ptr(), first.data_ptr(), out.data_ptr(), rows, hkv, num_blocks, scale)
         return out
+
+    def _scales(self, pool: torch.Tensor, k_scales: torch.Tensor | None,
+                v_scales: torch.Tensor | None) -> tuple[int | None, int | None]:
+        """The scale pools' addresses: required with int8 pools (shaped like the pools without D), else
+        none."""
+        if self.kv_dtype != torch.int8:
+            if k_scales is not None or v_scales is not None:
+                raise ValueError(f"{self.kv_dtype} pools have no scales")
+            return None, None
+        for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if t is None or t.shape != pool.shape[:3]:
+                raise ValueError(f"int8 pools need {name} shaped {tuple(pool.shape[:3])}, got "
+                                 f"{None if t is None else tuple(t.shape)}")
+            _check(name, t, torch.float32)
+        return k_scales.data_ptr(), v_scales.data_ptr()
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -113,12 +150,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels")
 
 
+def machine_reason() -> str | None:
+    """Why no native kernel runs on this machine, whatever the shape (None: it builds where shapes allow)."""
+    if os.environ.get("PIPELINE_NATIVE_ATTENTION", "").lower() in ("0", "off", "false", "no"):
+        return "PIPELINE_NATIVE_ATTENTION is off"
+    if "avx2" not in _cpu_identity().split():
+        return "this CPU has no AVX2"
+    if c_compiler() is None:
+        return "no C compiler ($CC, gcc or cc) is installed"
+    return None
+
+
 def load_paged_decode(head_dim: int, group: int, block_size: int,
                       kv_dtype: torch.dtype = torch.float32) -> PagedDecodeKernel:
     """The kernel for this shape and pool dtype, built on first use (and cached on disk);
     NativeKernelUnavailable if not."""
-    if os.environ.get("PIPELINE_NATIVE_ATTENTION", "").lower() in ("0", "off", "false", "no"):
-        raise NativeKernelUnavailable("PIPELINE_NATIVE_ATTENTION is off")
+    reason = machine_reason()
+    if reason is not None:
+        raise NativeKernelUnavailable(reason)
     outcome = _kernel_or_reason(head_dim, group, block_size, kv_dtype)
     if isinstance(outcome, str):
         raise NativeKernelUnavailable(outcome)
@@ -133,13 +182,9 @@ def _kernel_or_reason(head_dim: int, group: int, block_size: int, kv_dtype: torc
                 f"and query heads per KV head ({group}) at most {MAX_GROUP}")
     if kv_dtype not in KV_DTYPES:
         return f"KV pools in {kv_dtype} (the kernel reads {' or '.join(map(str, KV_DTYPES))})"
-    if "avx2" not in _cpu_identity().split():
-        return "this CPU has no AVX2"
     compiler = c_compiler()
-    if compiler is None:
-        return "no C compiler ($CC, gcc or cc) is installed"
     defines = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}",
-               *(["-DKV_BF16"] if kv_dtype == torch.bfloat16 else []))
+               *([_DEFINES[kv_dtype]] if kv_dtype in _DEFINES else []))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, *FLAGS, *defines,
                                     _cpu_identity()]).encode()).hexdigest()[:20]

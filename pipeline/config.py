@@ -105,7 +105,8 @@ class ModelSection:
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
     quant_w8a8_rows: int | None = 16  # int8/int4/gguf: steps of >= this many tokens run W8A8; null: never
     quant_lm_head: str = "auto"  # LM head in W8A8 steps: int8 | bf16 | none | auto (int8)
-    # KV cache: auto | float32 | bfloat16; auto = bfloat16 for quantized float32 models on CPU, else model dtype
+    # KV cache: auto | float32 | bfloat16 | int8 (CPU only: a scale per vector); auto = int8 for quantized
+    # models on CPU (bfloat16 where the native attention kernel cannot build), else model dtype
     # (resolve_kv_dtype)
     kv_cache_dtype: str = "auto"
 
@@ -242,13 +243,17 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, quant: str, model_dtype: str, device: str) -> str:
-    """model.kv_cache_dtype with `auto` resolved: bfloat16 for a quantized float32 model on CPU (half the
-    bytes decode attention reads, on a path that is approximate already), else the model's dtype (the exact
-    float32 job stays exact; the CUDA runner keeps its cache in the model dtype)."""
+    """model.kv_cache_dtype with `auto` resolved. For a quantized model on CPU, a path that is approximate
+    already: int8 (a quarter of float32's bytes for decode attention to read, plus a scale per vector) where
+    the native attention kernel builds, which int8 needs, else bfloat16 (half). Otherwise the model's dtype:
+    the exact float32 job stays exact, and the CUDA runner keeps its cache in the model dtype."""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    narrow = quant != "none" and model_dtype == "float32" and not _on_cuda(device)
-    return "bfloat16" if narrow else model_dtype
+    if quant == "none" or _on_cuda(device):
+        return model_dtype
+    from kernels.cpu_attention import machine_reason
+
+    return "int8" if machine_reason() is None else "bfloat16"
 
 
 def _on_cuda(device: str) -> bool:
@@ -373,7 +378,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     if schema.model.quant_w8a8_rows is not None:
         _positive("model.quant_w8a8_rows", schema.model.quant_w8a8_rows)
     _choice("model.quant_lm_head", schema.model.quant_lm_head, LM_HEAD_CHOICES)
-    _choice("model.kv_cache_dtype", schema.model.kv_cache_dtype, ("auto", "float32", "bfloat16"))
+    _choice("model.kv_cache_dtype", schema.model.kv_cache_dtype, ("auto", "float32", "bfloat16", "int8"))
     _choice("model.quant_group_size", schema.model.quant_group_size, QUANT_GROUP_SIZES)
     _choice("progress.mode", schema.progress.mode, PROGRESS_MODES)
     _positive("progress.log_every_s", schema.progress.log_every_s)

@@ -88,7 +88,7 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("model.quant_group_size=48", "model.quant_group_size"),
     ("model.quant_w8a8_rows=0", "model.quant_w8a8_rows"),
     ("model.quant_lm_head=fp8", "model.quant_lm_head"),
-    ("model.kv_cache_dtype=int8", "model.kv_cache_dtype"),
+    ("model.kv_cache_dtype=int4", "model.kv_cache_dtype"),
     ("progress.mode=fancy", "progress.mode"),
     ("progress.log_every_s=0", "progress.log_every_s"),
     ("input.path=[]", "input.path"),

@@ -128,15 +128,23 @@ class PagedAttention:
                  native_group: int | None = None):
         """dtype: the pools' (the KV cache dtype; queries may be wider). native_group: query heads per KV
         head, to run the rows through the native CPU kernel (`kernels.cpu_attention`) where it builds for
-        these pools; None keeps torch's path."""
+        these pools; None keeps torch's path. int8 pools (a scale per key and value vector, in float32 scale
+        pools) run on the native kernel only."""
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        self.native = None if native_group is None else native_decode_kernel(head_dim, native_group, block_size,
-                                                                              dtype, device)
+        if dtype == torch.int8:
+            self.native = int8_decode_kernel(head_dim, native_group, block_size, device)
+        else:
+            self.native = None if native_group is None else native_decode_kernel(head_dim, native_group,
+                                                                                  block_size, dtype, device)
         self._native_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tables, lens, first
         # Sliding window (ModelConfig.sliding_window): blocks wholly before a query's window are not read.
         self.window = window
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # {"k_scales": [...], "v_scales": [...]} per layer for int8 pools, else empty
+        self.scales: dict[str, list[torch.Tensor]] = {} if dtype != torch.int8 else {
+            name: [torch.zeros(shape[:3], device=device) for _ in range(num_layers)]
+            for name in ("k_scales", "v_scales")}
         self.block_size = block_size
         self.scale = scale
         self.batch: StepBatch | None = None
@@ -179,7 +187,7 @@ class PagedAttention:
             blocks = batch.block_tables[b, first : -(-keys // self.block_size)]
             self._prefills.append((starts[b], starts[b + 1], keys - first * self.block_size, self._pool_rows(blocks)))
         for src, dst in batch.block_copies.tolist():
-            for pool in (*self.k, *self.v):
+            for pool in (*self.k, *self.v, *(p for pools in self.scales.values() for p in pools)):
                 pool[:, dst].copy_(pool[:, src])
 
     def _prepare_gathered_decode(self, tables: torch.Tensor, lens: torch.Tensor) -> None:
@@ -236,7 +244,8 @@ class PagedAttention:
         kp, vp = self.k[layer], self.v[layer]
         hkv, nb, bs, dim = kp.shape
         if self.native is not None:  # cast and scatter in one native pass
-            self.native.write(k.float().contiguous(), v.float().contiguous(), batch.slot_mapping, kp, vp)
+            self.native.write(k.float().contiguous(), v.float().contiguous(), batch.slot_mapping, kp, vp,
+                              **self._layer_scales(layer))
         else:
             flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
             flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(kp.dtype))
@@ -245,12 +254,12 @@ class PagedAttention:
         q = q.float() if self.native is not None else q
         d = self.num_rows
         if d == q.shape[0]:  # decodes only (the steady state): no output assembly needed
-            out = self._decode(q, kp, vp).to(model_dtype)
+            out = self._decode(q, kp, vp, layer).to(model_dtype)
             self.attention_seconds += time.perf_counter() - t0
             return out
         out = torch.empty_like(q)
         if d:
-            out[:d] = self._decode(q[:d], kp, vp)
+            out[:d] = self._decode(q[:d], kp, vp, layer)
         for lo, hi, length, rows in self._prefills:
             ks = kp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
             vs = vp.view(hkv * nb, -1).index_select(0, rows).view(hkv, -1, dim)[:, :length].transpose(0, 1)
@@ -259,10 +268,14 @@ class PagedAttention:
         self.attention_seconds += time.perf_counter() - t0
         return out.to(model_dtype)
 
-    def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+    def _layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The int8 pools' scale pools of `layer`, as the native kernel's keyword arguments (else none)."""
+        return {name: pools[layer] for name, pools in self.scales.items()}
+
+    def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, layer: int) -> torch.Tensor:
         """Each query row over its own keys: [d, Hq, D] -> [d, Hq, D]."""
         if self.native is not None:
-            return self.native(q.contiguous(), kp, vp, *self._native_rows, self.scale)
+            return self.native(q.contiguous(), kp, vp, *self._native_rows, self.scale, **self._layer_scales(layer))
         d, hq, dim = q.shape
         hkv = kp.shape[0]
         group = hq // hkv
@@ -319,6 +332,19 @@ def native_decode_kernel(head_dim: int, group: int, block_size: int, dtype: torc
     except NativeKernelUnavailable as e:
         log.info("decode attention runs on torch ops: the native CPU kernel is unavailable (%s)", e)
         return None
+
+
+def int8_decode_kernel(head_dim: int, group: int | None, block_size: int,
+                       device: torch.device) -> PagedDecodeKernel:
+    """The native kernel for int8 pools, which torch's path does not read: an error saying why not."""
+    why = "it runs on CPU only" if device.type != "cpu" else "the attention has no native kernel here"
+    if device.type == "cpu" and group is not None:
+        try:
+            return load_paged_decode(head_dim, group, block_size, torch.int8)
+        except NativeKernelUnavailable as e:
+            why = str(e)
+    raise ValueError(f"model.kv_cache_dtype=int8 needs the native CPU attention kernel, and {why}: "
+                     "use bfloat16 or float32")
 
 
 # Chunks of at most this many queries (a speculating sequence's k + 1, a prompt's short last piece) join the
@@ -390,7 +416,8 @@ RunnerFactory = Callable[[LlamaModel, int, int, torch.device], StepRunner]
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-    """Bytes one block takes across all layers (K and V) on this rank."""
+    """Bytes one block takes across all layers (K and V, and int8's float32 scale per vector) on this rank."""
     cfg = model.config
     elem = torch.empty((), dtype=model.kv_dtype).element_size()
-    return 2 * cfg.num_layers * block_size * (cfg.num_kv_heads // model.tp.size) * cfg.head_dim * elem
+    per_vector = cfg.head_dim * elem + (4 if model.kv_dtype == torch.int8 else 0)
+    return 2 * cfg.num_layers * block_size * (cfg.num_kv_heads // model.tp.size) * per_vector

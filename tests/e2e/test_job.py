@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.config import load_job_config
+from pipeline.config import load_job_config, resolve_kv_dtype
 from pipeline.engine import batch_tuning
 from pipeline.errors import JobError
 from pipeline.job import run
@@ -293,8 +293,8 @@ HARDWARE = ("hardware.probe=false", "hardware.bandwidth_tbs=0.02", "hardware.mem
 def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
     """W8A8 runs every step in int8 (per-row activation scales: batching does not change a row's
     arithmetic), so the job's tokens are the plain greedy decode of the W8A8 model (with a float32 KV cache,
-    as the reference's); auto records its choice and which kernel ran how many steps, and keeps a bfloat16
-    KV cache."""
+    as the reference's); auto records its choice and which kernel ran how many steps, and keeps a narrower
+    KV cache (int8 where the native attention kernel builds, else bfloat16)."""
     write_shards(tmp_path / "in")
     out = tmp_path / "out"
     exact_kv = ["model.kv_cache_dtype=float32"] if quant == "w8a8" else []
@@ -305,7 +305,8 @@ def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
     assert model["compiled_layers"]  # engine.compile=auto compiles quantized models on CPU
     if quant == "auto":
         assert model["quant_auto"]["scheme"] == model["quant"] and model["quant_auto"]["reason"]
-        assert model["kv_cache_dtype"] == "bfloat16"
+        assert model["kv_cache_dtype"] == resolve_kv_dtype("auto", model["quant"], "float32", "cpu")
+        assert model["kv_cache_dtype"] in ("int8", "bfloat16")
         return
     assert model["kernel_steps"] == {"w8a8": metrics["steps"]}
     reference = load_model(tiny_model_dir, quant="w8a8", quant_lm_head=model["quant_lm_head"])

@@ -1,11 +1,13 @@
 """A bfloat16 KV cache under a float32 model (model.kv_cache_dtype): half the bytes per block, logits within
-bfloat16 rounding of the float32 cache's, on the native kernel and on torch's path alike."""
+bfloat16 rounding of the float32 cache's, on the native kernel and on torch's path alike. An int8 cache (a
+scale per vector; native kernel only): the logits of a float32 cache holding the vectors it stands for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.cpu_attention import dequantize_kv, machine_reason, quantize_kv
 from pipeline.config import resolve_kv_dtype
 from pipeline.engine.runner import Runner, StepBatch, kv_bytes_per_block
 from tests.engine.conftest import build_tiny, random_prompts
@@ -41,6 +43,11 @@ def rounding(attend):
     return lambda layer, q, k, v: attend(layer, q, k.bfloat16().float(), v.bfloat16().float())
 
 
+def int8_rounding(attend):
+    """`attend` storing this step's keys and values as the int8 cache's vectors stand for them (float32)."""
+    return lambda layer, q, k, v: attend(layer, q, dequantize_kv(*quantize_kv(k)), dequantize_kv(*quantize_kv(v)))
+
+
 @pytest.mark.parametrize("native", ["on", "off"])
 def test_bfloat16_cache_equals_float32_cache_of_rounded_keys(monkeypatch, native):
     """The reference: a float32 cache holding each step's keys and values rounded to bfloat16. All the
@@ -69,10 +76,47 @@ def test_bfloat16_cache_equals_float32_cache_of_rounded_keys(monkeypatch, native
         assert (bf16 - exact).abs().max() > 1e-3 * scale  # the cache really holds bfloat16
 
 
-def test_auto_is_bfloat16_only_for_quantized_float32_models_on_cpu():
-    assert resolve_kv_dtype("auto", "gguf", "float32", "cpu") == "bfloat16"
-    assert resolve_kv_dtype("auto", "w8a8", "float32", "cpu") == "bfloat16"
+def test_int8_cache_equals_float32_cache_of_the_vectors_it_stands_for():
+    prompts = random_prompts(6, 20, 60, seed=4)
+    steps = prefill_then_decode(prompts, blocks_each=4)
+    logits, block_bytes = {}, {}
+    for case in ("int8", "rounded", "float32"):
+        tiny = build_tiny(seed=2)
+        tiny.model.kv_dtype = torch.int8 if case == "int8" else torch.float32
+        try:
+            runner = Runner(tiny.model, 6 * 4, BLOCK, torch.device("cpu"))
+        except ValueError as e:  # no native kernel on this machine (no C compiler or AVX2)
+            pytest.skip(str(e))
+        if case == "rounded":
+            runner.attn.attend = int8_rounding(runner.attn.attend)
+        logits[case] = [runner.execute(step) for step in steps]
+        block_bytes[case] = kv_bytes_per_block(tiny.model, BLOCK)
+    dim = tiny.config.head_dim
+    assert block_bytes["int8"] * 4 * dim == block_bytes["float32"] * (dim + 4)  # a float32 scale per vector
+    for int8, rounded, exact in zip(logits["int8"], logits["rounded"], logits["float32"]):
+        scale = float(exact.abs().max())
+        torch.testing.assert_close(int8, rounded, rtol=0, atol=1e-4 * scale)
+        assert (int8 - exact).abs().max() > 1e-3 * scale  # the cache really holds int8
+
+
+def test_int8_cache_without_the_native_kernel_is_refused(monkeypatch):
+    monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
+    tiny = build_tiny(seed=2)
+    tiny.model.kv_dtype = torch.int8
+    with pytest.raises(ValueError, match="model.kv_cache_dtype=int8 needs the native CPU attention kernel.*"
+                                         "PIPELINE_NATIVE_ATTENTION is off"):
+        Runner(tiny.model, 8, BLOCK, torch.device("cpu"))
+
+
+def test_auto_narrows_only_quantized_models_on_cpu(monkeypatch):
+    """int8 where the native kernel builds (which int8 needs), else bfloat16; the exact job and CUDA keep
+    the model dtype."""
+    narrow = "int8" if machine_reason() is None else "bfloat16"
+    assert resolve_kv_dtype("auto", "gguf", "float32", "cpu") == narrow
+    assert resolve_kv_dtype("auto", "w8a8", "float32", "cpu") == narrow
+    assert resolve_kv_dtype("auto", "gguf", "bfloat16", "cpu") == narrow
     assert resolve_kv_dtype("auto", "none", "float32", "cpu") == "float32"  # the exact job stays exact
-    assert resolve_kv_dtype("auto", "gguf", "bfloat16", "cpu") == "bfloat16"
     assert resolve_kv_dtype("auto", "int8", "float32", "cuda:0") == "float32"  # the CUDA runner's cache
     assert resolve_kv_dtype("float32", "gguf", "float32", "cpu") == "float32"
+    monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
+    assert resolve_kv_dtype("auto", "gguf", "float32", "cpu") == "bfloat16"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention
-from kernels.cpu_attention import NativeKernelUnavailable, load_paged_decode
+from kernels.cpu_attention import NativeKernelUnavailable, dequantize_kv, load_paged_decode, quantize_kv
 from kernels.paged_attention_reference import attention_part, gather_keys, paged_decode_reference
 from pipeline.engine.runner import PagedAttention, StepBatch
 
@@ -29,19 +29,30 @@ def scattered_pools(hkv: int, num_blocks: int, block: int, dim: int, seed: int =
     return k, v, torch.randperm(num_blocks, generator=g)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def stored(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype):
+    """Pools of `kv_dtype` holding k and v, the scale pools the kernel takes with them (int8), and the float32
+    keys and values they stand for (the reference's)."""
+    if kv_dtype != torch.int8:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+        return (k, v), {}, (k.float(), v.float())
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    return (kq, vq), {"k_scales": ks, "v_scales": vs}, (dequantize_kv(kq, ks), dequantize_kv(vq, vs))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16), (64, 3, 64)])
 def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
-    """bfloat16 pools: the reference reads the same rounded keys, widened; all arithmetic is float32."""
+    """Narrower pools: the reference reads the vectors they stand for (bfloat16 widened, int8 times its
+    scale); all arithmetic is float32."""
     kernel = kernel_or_skip(dim, group, block, kv_dtype)
     hkv, rows = 3, 9
     lens = torch.tensor([1, block - 1, block, block + 1, 3 * block, 5 * block + 7, 2, 40, 4 * block - 1])
     width = -(-int(lens.max()) // block) + 1  # one spare column: tables are padded past a row's blocks
     k, v, perm = scattered_pools(hkv, rows * width, block, dim)
-    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    pools, scales, (k, v) = stored(k, v, kv_dtype)
     tables = perm[: rows * width].view(rows, width).contiguous()
     q = torch.randn(rows, hkv * group, dim)
-    out = kernel(q, k, v, tables, lens, torch.zeros_like(lens), dim**-0.5)
+    out = kernel(q, *pools, tables, lens, torch.zeros_like(lens), dim**-0.5, **scales)
     torch.testing.assert_close(out, paged_decode_reference(q, k, v, tables, lens, dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
@@ -69,19 +80,21 @@ def test_reads_only_keys_from_first_to_len(kv_dtype):
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_large_score_spread_stays_exact(kv_dtype):
     """Scores far apart (the online softmax rescales often, exp underflows to 0) match the reference."""
     dim, group, block = 64, 3, 16
     kernel = kernel_or_skip(dim, group, block, kv_dtype)
     k, v, perm = scattered_pools(3, 12, block, dim, seed=2)
     k *= torch.linspace(0.1, 30, block * 12).view(1, 12, block, 1)  # later keys score much higher
-    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    pools, scales, (k, v) = stored(k, v, kv_dtype)
     tables = perm.view(2, 6).contiguous()
     lens = torch.tensor([96, 70])
-    q = torch.randn(2, 9, dim)
-    torch.testing.assert_close(kernel(q, k, v, tables, lens, torch.zeros_like(lens), 0.125),
-                               paged_decode_reference(q, k, v, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
+    q = torch.randn(2, 9, dim, generator=torch.Generator().manual_seed(5))
+    # Scores reach ~100 here, so float32's rounding of a score alone moves exp() by ~1e-5 relative: the
+    # tolerance is that of the arithmetic (1e-5 failed for about 1 query in 60).
+    torch.testing.assert_close(kernel(q, *pools, tables, lens, torch.zeros_like(lens), 0.125, **scales),
+                               paged_decode_reference(q, k, v, tables, lens, 0.125), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -105,6 +118,41 @@ def test_write_matches_cast_and_index_copy(kv_dtype, tokens):
     kernel.write(k, v, slots, *pools)
     for got, want in zip(pools, expected):  # exact; a NaN may carry other payload bits
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("tokens", [5, 2000])
+def test_int8_write_matches_quantize_kv(tokens):
+    """int8 pools: each new vector stored as `quantize_kv` stores it (values and scales, exactly), a zero
+    vector included; slots not written stay as they were."""
+    kernel = kernel_or_skip(64, 3, 16, torch.int8)
+    hkv, num_blocks, block, dim = 3, 160, 16, 64
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(tokens, hkv, dim, generator=g) * 10 ** torch.randint(-3, 3, (tokens, hkv, 1), generator=g)
+    v = torch.randn(tokens, hkv, dim, generator=g)
+    k[0, 1] = 0.0
+    slots = torch.randperm(num_blocks * block, generator=g)[:tokens]
+    pools = [torch.randint(-127, 128, (hkv, num_blocks, block, dim), generator=g, dtype=torch.int8) for _ in "kv"]
+    scales = [torch.rand(hkv, num_blocks, block, generator=g) for _ in "kv"]
+    expected = [t.clone() for t in (*pools, *scales)]
+    for i, new in enumerate((k, v)):
+        q, s = quantize_kv(new.transpose(0, 1))
+        expected[i].view(hkv, -1, dim)[:, slots] = q
+        expected[2 + i].view(hkv, -1)[:, slots] = s
+    kernel.write(k, v, slots, *pools, k_scales=scales[0], v_scales=scales[1])
+    for got, want in zip((*pools, *scales), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert expected[2].view(hkv, -1)[1, slots[0]] == 0  # the zero vector's scale
+
+
+def test_int8_pools_need_their_scales():
+    kernel = kernel_or_skip(64, 3, 16, torch.int8)
+    pool = torch.zeros(3, 4, 16, 64, dtype=torch.int8)
+    tables, lens = torch.zeros(2, 2, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"int8 pools need k_scales shaped \(3, 4, 16\)"):
+        kernel(torch.zeros(2, 9, 64), pool, pool, tables, lens, lens, 1.0)
+    with pytest.raises(ValueError, match="torch.float32 pools have no scales"):
+        kernel_or_skip(64, 3, 16).write(torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), torch.zeros(1, dtype=torch.long),
+                                        pool.float(), pool.float(), k_scales=torch.zeros(3, 4, 16))
 
 
 def test_wrong_inputs_are_refused_with_their_name():
