@@ -1,4 +1,4 @@
-"""CPU attention: the native kernel (float32 and bfloat16 pools) against torch's path, side by side.
+"""CPU attention: the native kernel (float32, bfloat16 and int8 pools) against torch's path, side by side.
 
 Two measurements at SmolLM2's attention shape (9 query heads, 3 KV heads, head size 64, blocks of 16):
 - decode: one query row per sequence over its ~`--context` keys, summed over `--layers` layers whose pools
@@ -29,7 +29,13 @@ def attention(kv_dtype: torch.dtype, native: bool, layers: int, num_blocks: int)
     if native and attn.native is None:
         raise SystemExit("the native kernel is unavailable here (see the log)")
     for pool in (*attn.k, *attn.v):
-        pool.normal_()
+        if pool.dtype == torch.int8:
+            pool.copy_(torch.randint(-127, 128, pool.shape, dtype=torch.int8))
+        else:
+            pool.normal_()
+    for scales in attn.scales.values():  # int8 pools: a vector's max |x| / 127, for unit-variance vectors
+        for pool in scales:
+            pool.fill_(3 / 127)
     return attn
 
 
@@ -70,7 +76,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
-    cases = [("torch", torch.float32, False), ("native", torch.float32, True), ("native", torch.bfloat16, True)]
+    cases = [("torch", torch.float32, False), ("native", torch.float32, True), ("native", torch.bfloat16, True),
+             ("native", torch.int8, True)]
     g = torch.Generator().manual_seed(1)
     for batch in (int(b) for b in args.batches.split(",")):
         width = args.context // BLOCK + 3

@@ -6,7 +6,7 @@
 #   bench/gpu_check.sh [--quick]     run (prints the table; with $OUT set, also $OUT/gpu_check.json and .log)
 #   bench/gpu_check.sh --stage       only copy carried files to /tmp/gpu_check (first of two device calls)
 #
-# Packages the device lacks (hydra-core, omegaconf, antlr4, gguf) and the SmolLM2 GGUF travel in
+# Packages the device lacks (hydra-core, omegaconf, antlr4, gguf, llguidance) and the SmolLM2 GGUF travel in
 # .gpu-carry-a/ and .gpu-carry-b/, built here by bench/gpu_carry.sh (see docs/gpu.md); the model is
 # 94 MiB, over one call's 64 MiB, so it comes in two halves over two calls to the same warm machine.
 # GPU_CHECK_MODEL=/path/to/model.gguf uses a model already there instead.
