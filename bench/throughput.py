@@ -4,7 +4,8 @@ Two workloads of a dataset-generation job, greedy, EOS ignored:
 - distinct: 256 distinct ~40-token chat prompts x 128 new tokens;
 - shared: 8 system prompts x 32 questions x 64 new tokens (a shared prefix per system prompt).
 transformers' best configuration (batch size, attention) is picked by a sweep first; then for `--rounds`
-rounds every engine mode and transformers run one after the other, so load changes hit all alike. Prints
+rounds every engine mode and transformers run one after the other, so load changes hit all alike; odd
+rounds run the engine modes in reverse order, since the one run second is often faster. Prints
 the CPU flags and load average, each mode's tok/s, and the ratios to transformers' best:
 
     python bench/throughput.py --workload distinct --modes none,int8,int4,gguf,w8a8,auto
@@ -269,7 +270,7 @@ def main() -> None:
     first_outputs = None  # the first mode's tokens (float32 "none" when listed first): agreement reference
     figures: dict[str, dict] = {}
     for r in range(args.rounds):
-        for mode in modes:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             loaded = models[mode]
             eng = run_engine(loaded, prompts, args)
             s = eng["stats"]
@@ -295,8 +296,9 @@ def main() -> None:
     hf_rate = max(rates["transformers"])
     print(f"best of {args.rounds} round(s); load {os.getloadavg()}")
     for mode in modes:
+        mean = sum(rates[mode]) / len(rates[mode])
         print(f"  engine {mode:5s} {max(rates[mode]):7.1f} tok/s = {max(rates[mode]) / hf_rate:.2f}x transformers "
-              f"({hf_rate:.1f} tok/s)")
+              f"({hf_rate:.1f} tok/s); mean of the rounds {mean:.1f} tok/s")
     if args.json:
         out = {"load": os.getloadavg(), "cpu_flags": cpu_flags(), "bandwidth": hw.bandwidth, "peaks": hw.flops,
                "auto": auto.as_dict(), "rates": rates, "engine": figures,
