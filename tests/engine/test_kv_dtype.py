@@ -9,7 +9,7 @@ import torch
 
 from kernels.cpu_attention import dequantize_kv, machine_reason, quantize_kv
 from pipeline.config import resolve_kv_dtype
-from pipeline.engine.runner import Runner, StepBatch, kv_bytes_per_block
+from pipeline.engine.runner import PagedAttention, Runner, StepBatch, kv_bytes_per_block
 from tests.engine.conftest import build_tiny, random_prompts
 
 BLOCK = 16
@@ -120,3 +120,24 @@ def test_auto_narrows_only_quantized_models_on_cpu(monkeypatch):
     assert resolve_kv_dtype("float32", "gguf", "float32", "cpu") == "float32"
     monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
     assert resolve_kv_dtype("auto", "gguf", "float32", "cpu") == "bfloat16"
+
+
+def test_int8_block_copy_takes_the_scales_along():
+    """Copy-on-write of a shared block (`StepBatch.block_copies`) copies the vectors' scales with them."""
+    try:
+        attn = PagedAttention(2, 6, BLOCK, 2, 32, torch.int8, torch.device("cpu"), 0.25, native_group=2)
+    except ValueError as e:  # no native kernel on this machine
+        pytest.skip(str(e))
+    for pool in (*attn.k, *attn.v):
+        pool.copy_(torch.randint(-127, 128, pool.shape, dtype=torch.int8))
+    for pool in (p for pools in attn.scales.values() for p in pools):
+        pool.uniform_()
+    before = [p.clone() for p in (*attn.k, *attn.v, *attn.scales["k_scales"], *attn.scales["v_scales"])]
+    empty = torch.zeros(0, dtype=torch.long)
+    attn.prepare(StepBatch(input_ids=empty, positions=empty, slot_mapping=empty, query_start=torch.zeros(1, dtype=torch.long),
+                           context_lens=empty, block_tables=torch.zeros(0, 1, dtype=torch.long), num_decodes=0,
+                           logits_rows=empty, block_copies=torch.tensor([[1, 4]])))
+    after = (*attn.k, *attn.v, *attn.scales["k_scales"], *attn.scales["v_scales"])
+    for old, new in zip(before, after):
+        assert torch.equal(new[:, 4], old[:, 1])
+        assert torch.equal(new[:, [0, 1, 2, 3, 5]], old[:, [0, 1, 2, 3, 5]])

@@ -28,11 +28,14 @@ def check_agreement(reference, tp, label: str) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_model_tp2_equals_single(tiny_model_dir):
-    """(Quantized tiny models under TP: tests/model/test_quant_tp.py.)"""
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_tiny_model_tp2_equals_single(tiny_model_dir, kv_dtype):
+    """Each rank's int8 KV pools hold its heads' vectors with their own scales, as one process does.
+    (Quantized tiny models under TP: tests/model/test_quant_tp.py.)"""
     prompts = random_prompts(PROMPTS, vocab=49152)
-    reference = greedy(load_model(tiny_model_dir), prompts, max_tokens=8)
-    check_agreement(reference, greedy_tp(tiny_model_dir, prompts, 8, tensor_parallel=2), "tiny N=2")
+    reference = greedy(load_model(tiny_model_dir, kv_dtype=kv_dtype), prompts, max_tokens=8)
+    tp = greedy_tp(tiny_model_dir, prompts, 8, tensor_parallel=2, kv_dtype=kv_dtype)
+    check_agreement(reference, tp, f"tiny N=2, {kv_dtype} KV")
 
 
 @pytest.mark.slow
