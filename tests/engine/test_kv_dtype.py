@@ -38,65 +38,48 @@ def prefill_then_decode(prompts: list[list[int]], blocks_each: int) -> tuple[Ste
     return prefill, decode
 
 
-def rounding(attend):
-    """`attend` storing this step's keys and values rounded to bfloat16 (in a float32 cache)."""
-    return lambda layer, q, k, v: attend(layer, q, k.bfloat16().float(), v.bfloat16().float())
+def stored(kv_dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """What a `kv_dtype` cache holds of float32 vectors x, as float32: bfloat16-rounded, or int8 times its
+    scale."""
+    return dequantize_kv(*quantize_kv(x)) if kv_dtype == torch.int8 else x.to(kv_dtype).float()
 
 
-def int8_rounding(attend):
-    """`attend` storing this step's keys and values as the int8 cache's vectors stand for them (float32)."""
-    return lambda layer, q, k, v: attend(layer, q, dequantize_kv(*quantize_kv(k)), dequantize_kv(*quantize_kv(v)))
-
-
-@pytest.mark.parametrize("native", ["on", "off"])
-def test_bfloat16_cache_equals_float32_cache_of_rounded_keys(monkeypatch, native):
-    """The reference: a float32 cache holding each step's keys and values rounded to bfloat16. All the
-    arithmetic stays float32, so only rounding order separates the two; the plain float32 cache differs."""
+@pytest.mark.parametrize("kv_dtype,native", [(torch.bfloat16, "on"), (torch.bfloat16, "off"), (torch.int8, "on")])
+def test_narrow_cache_equals_float32_cache_of_what_it_stores(monkeypatch, kv_dtype, native):
+    """The reference: a float32 cache holding each step's keys and values as the narrower cache stores them.
+    All the arithmetic stays float32, so only rounding order separates the two; the plain float32 cache
+    differs."""
     if native == "off":
         monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
     prompts = random_prompts(6, 20, 60, seed=4)
     steps = prefill_then_decode(prompts, blocks_each=4)
     logits, block_bytes = {}, {}
-    for case in ("bfloat16", "rounded", "float32"):
+    for case in ("narrow", "stored", "float32"):
         tiny = build_tiny(seed=2)
-        tiny.model.kv_dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
-        runner = Runner(tiny.model, 6 * 4, BLOCK, torch.device("cpu"))
+        tiny.model.kv_dtype = kv_dtype if case == "narrow" else torch.float32
+        try:
+            runner = Runner(tiny.model, 6 * 4, BLOCK, torch.device("cpu"))
+        except ValueError as e:  # int8 where the native kernel cannot build (no C compiler or AVX2)
+            if kv_dtype != torch.int8:
+                raise
+            pytest.skip(str(e))
         assert runner.attn.k[0].dtype == tiny.model.kv_dtype
         if native == "off":
             assert runner.attn.native is None
-        if case == "rounded":
-            runner.attn.attend = rounding(runner.attn.attend)
-        logits[case] = [runner.execute(step) for step in steps]
-        block_bytes[case] = kv_bytes_per_block(tiny.model, BLOCK)
-    assert block_bytes["bfloat16"] * 2 == block_bytes["float32"]
-    for bf16, rounded, exact in zip(logits["bfloat16"], logits["rounded"], logits["float32"]):
-        assert bf16.dtype == torch.float32
-        scale = float(exact.abs().max())
-        torch.testing.assert_close(bf16, rounded, rtol=0, atol=1e-4 * scale)
-        assert (bf16 - exact).abs().max() > 1e-3 * scale  # the cache really holds bfloat16
-
-
-def test_int8_cache_equals_float32_cache_of_the_vectors_it_stands_for():
-    prompts = random_prompts(6, 20, 60, seed=4)
-    steps = prefill_then_decode(prompts, blocks_each=4)
-    logits, block_bytes = {}, {}
-    for case in ("int8", "rounded", "float32"):
-        tiny = build_tiny(seed=2)
-        tiny.model.kv_dtype = torch.int8 if case == "int8" else torch.float32
-        try:
-            runner = Runner(tiny.model, 6 * 4, BLOCK, torch.device("cpu"))
-        except ValueError as e:  # no native kernel on this machine (no C compiler or AVX2)
-            pytest.skip(str(e))
-        if case == "rounded":
-            runner.attn.attend = int8_rounding(runner.attn.attend)
+        if case == "stored":
+            attend = runner.attn.attend
+            runner.attn.attend = lambda layer, q, k, v, attend=attend: attend(
+                layer, q, stored(kv_dtype, k), stored(kv_dtype, v))
         logits[case] = [runner.execute(step) for step in steps]
         block_bytes[case] = kv_bytes_per_block(tiny.model, BLOCK)
     dim = tiny.config.head_dim
-    assert block_bytes["int8"] * 4 * dim == block_bytes["float32"] * (dim + 4)  # a float32 scale per vector
-    for int8, rounded, exact in zip(logits["int8"], logits["rounded"], logits["float32"]):
+    vector_bytes = dim + 4 if kv_dtype == torch.int8 else 2 * dim  # int8: and a float32 scale
+    assert block_bytes["narrow"] * 4 * dim == block_bytes["float32"] * vector_bytes
+    for narrow, reference, exact in zip(logits["narrow"], logits["stored"], logits["float32"]):
+        assert narrow.dtype == torch.float32
         scale = float(exact.abs().max())
-        torch.testing.assert_close(int8, rounded, rtol=0, atol=1e-4 * scale)
-        assert (int8 - exact).abs().max() > 1e-3 * scale  # the cache really holds int8
+        torch.testing.assert_close(narrow, reference, rtol=0, atol=1e-4 * scale)
+        assert (narrow - exact).abs().max() > 1e-3 * scale  # the cache really holds the narrower dtype
 
 
 def test_int8_cache_without_the_native_kernel_is_refused(monkeypatch):
