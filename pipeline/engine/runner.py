@@ -131,11 +131,7 @@ class PagedAttention:
         these pools; None keeps torch's path. int8 pools (a scale per key and value vector, in float32 scale
         pools) run on the native kernel only."""
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        if dtype == torch.int8:
-            self.native = int8_decode_kernel(head_dim, native_group, block_size, device)
-        else:
-            self.native = None if native_group is None else native_decode_kernel(head_dim, native_group,
-                                                                                  block_size, dtype, device)
+        self.native = native_decode_kernel(head_dim, native_group, block_size, dtype, device)
         self._native_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tables, lens, first
         # Sliding window (ModelConfig.sliding_window): blocks wholly before a query's window are not read.
         self.window = window
@@ -322,29 +318,23 @@ class PagedAttention:
         return torch.empty_like(out).index_copy_(0, order, out)
 
 
-def native_decode_kernel(head_dim: int, group: int, block_size: int, dtype: torch.dtype,
+def native_decode_kernel(head_dim: int, group: int | None, block_size: int, dtype: torch.dtype,
                          device: torch.device) -> PagedDecodeKernel | None:
-    """The native decode attention for pools of `dtype` on CPU, or None (logged, with the reason)."""
-    if device.type != "cpu":
-        return None
-    try:
-        return load_paged_decode(head_dim, group, block_size, dtype)
-    except NativeKernelUnavailable as e:
-        log.info("decode attention runs on torch ops: the native CPU kernel is unavailable (%s)", e)
-        return None
-
-
-def int8_decode_kernel(head_dim: int, group: int | None, block_size: int,
-                       device: torch.device) -> PagedDecodeKernel:
-    """The native kernel for int8 pools, which torch's path does not read: an error saying why not."""
-    why = "it runs on CPU only" if device.type != "cpu" else "the attention has no native kernel here"
-    if device.type == "cpu" and group is not None:
+    """The native decode attention for pools of `dtype` on CPU, or None where torch's path runs instead
+    (group None asks for it; a kernel that cannot build is logged with the reason). int8 pools, which
+    torch's path does not read, get an error saying why instead."""
+    why = "no query group was given for it" if group is None else "it runs on CPU only" if device.type != "cpu" else None
+    if why is None:
         try:
-            return load_paged_decode(head_dim, group, block_size, torch.int8)
+            return load_paged_decode(head_dim, group, block_size, dtype)
         except NativeKernelUnavailable as e:
             why = str(e)
-    raise ValueError(f"model.kv_cache_dtype=int8 needs the native CPU attention kernel, and {why}: "
-                     "use bfloat16 or float32")
+            if dtype != torch.int8:
+                log.info("decode attention runs on torch ops: the native CPU kernel is unavailable (%s)", e)
+    if dtype == torch.int8:
+        raise ValueError(f"model.kv_cache_dtype=int8 needs the native CPU attention kernel, and {why}: "
+                         "use bfloat16 or float32")
+    return None
 
 
 # Chunks of at most this many queries (a speculating sequence's k + 1, a prompt's short last piece) join the
