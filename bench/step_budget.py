@@ -1,0 +1,170 @@
+"""Where one decode step's time goes on this CPU, measured on a step captured from a real job.
+
+A job's decode step is timed whole, and beside it, in alternating rounds:
+- its int8 GEMMs alone: `torch._int_mm` on the model's own W8A8 weights (body and LM head) at the step's rows,
+  the weights streaming from memory as in the step;
+- its attention as the step runs it (every layer's pools, so the keys and values come from DRAM);
+- the same attention with every layer reading layer 0's pools (in cache: the kernel's arithmetic alone);
+- a plain streaming read of as many bytes as the step's attention reads (the memory floor for them).
+What is left of the step after GEMMs and attention is the fused elementwise loops, the graph calls and the
+host work. A kernel change that speeds up only the in-cache attention does not show in jobs where the
+attention as run sits at the streaming floor.
+
+    python bench/step_budget.py --workload distinct --batch 128
+    python bench/step_budget.py --workload shared --batch 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from throughput import load_mode, make_distinct_prompts, make_shared_prompts
+
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.request import Request, SamplingParams
+from pipeline.engine.runner import StepBatch, kv_bytes_per_block
+from pipeline.model.loader import default_model_path, load_model
+from pipeline.perf.probe import cpu_flags, probe
+from pipeline.perf.quant_choice import choose_quant
+from pipeline.perf.roofline import HardwareProfile
+
+
+def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepBatch:
+    """The batch of the engine's `steps`-th step over `prompts` (all admitted, none finishing)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(i, p, SamplingParams(max_tokens=steps + 64, ignore_eos=True)))
+    seen: list[StepBatch] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch: seen.append(batch) or execute(batch)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        del engine.runner.execute
+    return seen[-1]
+
+
+def int8_gemms(model: torch.nn.Module, rows: int) -> tuple[Callable[[], None], float]:
+    """The step's W8A8 products on the model's own int8 weights, and their operations (2 per multiply-add)."""
+    weights = [m.w8a8_weight for m in model.modules() if getattr(m, "w8a8_weight", None) is not None]
+    head = getattr(model.lm_head, "fast_weight", None)
+    if head is not None and head.dtype == torch.int8:
+        weights.append(head)
+    if not weights:
+        raise SystemExit("the model has no W8A8 weights: run with --quant auto (quantized) on a CPU with int8 peaks")
+    inputs = {w.shape[1]: torch.randint(-127, 128, (rows, w.shape[1]), dtype=torch.int8) for w in weights}
+
+    def run() -> None:
+        for w in weights:
+            torch._int_mm(inputs[w.shape[1]], w.t())
+
+    return run, sum(2.0 * rows * w.numel() for w in weights)
+
+
+def streaming_read(total_bytes: int, pieces: int) -> Callable[[], None]:
+    """A sum over `pieces` float32 tensors of `total_bytes` together: memory read at its streaming rate."""
+    tensors = [torch.randn(max(1, total_bytes // (4 * pieces))) for _ in range(pieces)]
+    return lambda: [t.sum() for t in tensors] and None
+
+
+def best_of(fn: Callable[[], None], reps: int) -> float:
+    """The fastest of `reps` calls, in seconds."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    ap.add_argument("--workload", default="distinct", choices=["distinct", "shared"])
+    ap.add_argument("--batch", type=int, default=128, help="sequences decoding together")
+    ap.add_argument("--quant", default="auto", help="model.quant[/kv dtype], as bench/throughput.py's modes")
+    ap.add_argument("--steps", type=int, default=60, help="engine steps before the captured one (contexts grow)")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds; each figure is their median")
+    ap.add_argument("--reps", type=int, default=3, help="calls per round; the fastest counts")
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    args = ap.parse_args()
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    hw = probe()
+    path = args.model or default_model_path()
+    base = load_model(path, torch.float32)
+    profile = HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory)
+    auto = choose_quant(base.config, profile, "gguf", hw.bf16_native, args.batch)
+    loaded = load_mode(path, torch.float32, args.quant, auto, 16)
+    prompts = (make_distinct_prompts(base.tokenizer, args.batch) if args.workload == "distinct"
+               else make_shared_prompts(base.tokenizer, max(1, args.batch // 32), min(32, args.batch)))
+    engine = Engine(loaded, EngineConfig(kv_cache_memory=args.kv_cache_memory, max_batch_size=args.batch))
+    batch = captured_step(engine, prompts, args.steps)
+    runner, attn, model = engine.runner, engine.runner.attn, loaded.model
+    if batch.num_decodes != batch.num_tokens:
+        raise SystemExit(f"the captured step still prefills ({batch.num_tokens} tokens for {batch.num_decodes} "
+                         "decodes): raise --steps")
+
+    cfg = model.config
+    queries = torch.randn(batch.num_decodes, cfg.num_heads // model.tp.size, cfg.head_dim)
+    layers = range(cfg.num_layers)
+    blocks = int((batch.context_lens + attn.block_size - 1).div(attn.block_size, rounding_mode="floor").sum())
+    kv_bytes = blocks * kv_bytes_per_block(model, attn.block_size)
+    gemms, gemm_ops = int8_gemms(model, batch.num_decodes)
+    attention_seconds: list[float] = []
+
+    def whole_step() -> None:
+        before = attn.attention_seconds
+        runner.execute(batch)
+        attention_seconds.append(attn.attention_seconds - before)
+
+    def attention(pools_of: Callable[[int], int]) -> Callable[[], None]:
+        """Every layer's decode attention over the pools of layer pools_of(layer)."""
+        def run() -> None:
+            for layer in layers:
+                i = pools_of(layer)
+                attn._decode(queries, attn.k[i], attn.v[i], i)
+        return run
+
+    measured: dict[str, Callable[[], None]] = {
+        "step": whole_step,
+        "gemms": gemms,
+        "as run": attention(lambda layer: layer),
+        "in cache": attention(lambda layer: 0),
+        "stream": streaming_read(kv_bytes, cfg.num_layers),
+    }
+    rounds: dict[str, list[float]] = {name: [] for name in measured}
+    for fn in measured.values():
+        fn()
+    for r in range(args.rounds):  # alternating order: this machine's speed drifts within minutes
+        for name in (list(measured) if r % 2 == 0 else list(measured)[::-1]):
+            rounds[name].append(best_of(measured[name], args.reps))
+    ms = {name: statistics.median(v) * 1e3 for name, v in rounds.items()}
+    in_step = statistics.median(attention_seconds) * 1e3
+
+    print(f"cpu flags: {cpu_flags()}; threads {torch.get_num_threads()}; "
+          f"load {os.getloadavg()[0]:.1f}; probe: int8 {hw.flops.get('int8', 0) / 1e9:.0f} GOP/s, "
+          f"stream {hw.bandwidth / 1e9:.1f} GB/s")
+    print(f"{args.workload}: {batch.num_decodes} decodes, contexts {int(batch.context_lens.min())}-"
+          f"{int(batch.context_lens.max())} (mean {batch.context_lens.float().mean():.0f}), "
+          f"KV cache {model.kv_dtype}, {args.rounds} rounds (median of each round's best of {args.reps})")
+    rows = [
+        ("whole step", ms["step"], f"{batch.num_decodes / ms['step'] * 1e3:.0f} tok/s"),
+        ("int8 GEMMs alone", ms["gemms"], f"{gemm_ops / 1e9:.1f} GOP at {gemm_ops / ms['gemms'] / 1e6:.0f} GOP/s"),
+        ("attention inside the step", in_step, ""),
+        ("attention, as run", ms["as run"], f"{kv_bytes / 1e6:.0f} MB of KV at {kv_bytes / ms['as run'] / 1e6:.1f} GB/s"),
+        ("attention, pools in cache", ms["in cache"], "the arithmetic"),
+        ("streaming read of those bytes", ms["stream"], "the memory floor"),
+        ("rest: step - GEMMs - attention", ms["step"] - ms["gemms"] - in_step, "elementwise, graph calls, host"),
+    ]
+    for label, value, note in rows:
+        print(f"  {label:32s} {value:7.1f} ms  {note}")
+
+if __name__ == "__main__":
+    main()
