@@ -16,8 +16,9 @@ import time
 
 import torch
 
+from kernels.argmax import row_argmax
 from pipeline.engine.request import SamplingParams
-from pipeline.engine.sampler import row_argmax, sample
+from pipeline.engine.sampler import sample
 from pipeline.engine.sequence import Sequence
 from pipeline.perf.probe import cpu_flags
 

@@ -1,6 +1,6 @@
 """Where one decode step's time goes on this CPU, measured on a step captured from a real job.
 
-A job's decode step is timed whole, and beside it, in alternating rounds:
+A greedy job's decode step is timed whole, and beside it, in alternating rounds:
 - its int8 GEMMs alone: `torch._int_mm` on the model's own W8A8 weights (body and LM head) at the step's rows,
   the weights streaming from memory as in the step;
 - its attention as the step runs it (every layer's pools, so the keys and values come from DRAM);
@@ -40,13 +40,13 @@ def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepB
     for i, p in enumerate(prompts):
         engine.add_request(Request(i, p, SamplingParams(max_tokens=steps + 64, ignore_eos=True)))
     seen: list[StepBatch] = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda batch: seen.append(batch) or execute(batch)
+    execute = engine.runner.execute_greedy  # every row is plain greedy
+    engine.runner.execute_greedy = lambda batch: seen.append(batch) or execute(batch)
     try:
         for _ in range(steps):
             engine.step()
     finally:
-        del engine.runner.execute
+        del engine.runner.execute_greedy
     return seen[-1]
 
 
@@ -121,7 +121,7 @@ def main() -> None:
 
     def whole_step() -> None:
         before = attn.attention_seconds
-        runner.execute(batch)
+        runner.execute_greedy(batch)
         attention_seconds.append(attn.attention_seconds - before)
 
     def attention(pools_of: Callable[[int], int]) -> Callable[[], None]:

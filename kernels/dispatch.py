@@ -43,8 +43,13 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) ->
 
 def int_mm_w8a8(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
     """W8A8 through `torch._int_mm` (oneDNN on CPU; cuBLASLt on CUDA, which needs more than 16 rows)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    q, sx = quantize_rows(x2)
-    acc = torch._int_mm(q, qweight.t())
+    acc, sx = int_mm_w8a8_sums(x.reshape(-1, x.shape[-1]), qweight)
     y = acc.float().mul_(sx).mul_(wscale.reshape(1, -1))  # one int32 -> float pass, the scales in place
     return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def int_mm_w8a8_sums(x: torch.Tensor, qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float quantized per row, times qweight int8 [N, K]: the int32 sums [M, N] and the rows'
+    scales [M, 1]; y = sums * row scale * weight scale (`int_mm_w8a8`)."""
+    q, sx = quantize_rows(x)
+    return torch._int_mm(q, qweight.t()), sx

@@ -220,9 +220,16 @@ class Engine:
             row += 1 + len(seq.draft)
         constrained = [i for i, (_, seq) in enumerate(plain) if seq.matcher is not None]
         masks = self._constraints.start_masks([plain[i][1].matcher for i in constrained]) if constrained else None
+        # Every row plain greedy (the usual dataset job): the runner returns the argmaxes, and the int8 head
+        # never writes the [rows, vocab] logits (`QuantLMHead.greedy`).
+        greedy_only = not checking and not prompt_spans and all(
+            seq.sampling.plain_greedy and not seq.num_children for _, seq in plain)
         t1 = self._clock.stamp()
         attention_before = self.runner.attn.attention_seconds
-        logits = self.runner.execute(batch)
+        if greedy_only:
+            tokens = self.runner.execute_greedy(batch)
+        else:
+            logits = self.runner.execute(batch)
         t2 = self._clock.stamp()
         stats.attention_time += self.runner.attn.attention_seconds - attention_before
         for seq, n in work:
@@ -236,14 +243,18 @@ class Engine:
                                   prompt_spans)
         rows, plain_samplers = self._fork_children([seq for _, seq in plain])
         t3 = self._clock.stamp()
-        if checking or len(rows) > len(plain) or prompt_spans:  # forked samples share their parent's row
-            plain_rows = [plain[r][0] for r in rows]
-            plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=logits.device))
-        else:
-            plain_logits = logits
         # copies the sampled ids to the host: the step's one sync (verify's are extra, in speculating steps)
-        sampled = sample(plain_logits, plain_samplers, self.eos_token_ids,
-                         self._allowed(plain_samplers, constrained, masks))
+        if greedy_only:
+            sampled = Sampled(tokens.tolist(), [None] * len(plain_samplers))
+        else:
+            if checking or len(rows) > len(plain) or prompt_spans:  # forked samples share their parent's row
+                plain_rows = [plain[r][0] for r in rows]
+                plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long,
+                                                                   device=logits.device))
+            else:
+                plain_logits = logits
+            sampled = sample(plain_logits, plain_samplers, self.eos_token_ids,
+                             self._allowed(plain_samplers, constrained, masks))
         outcomes = [Sampled([t], [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
         if checking:
             outcomes += verify(logits[check_rows], checking)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.argmax import row_argmax
 from kernels.paged_attention import (
     decode_splits,
     merge_partials,
@@ -266,6 +267,10 @@ class GpuRunner:
         plan = self._plan(batch)
         self.attn.copy_blocks(plan.copies)
         return self.run(plan, self.upload(plan))
+
+    def execute_greedy(self, batch: StepBatch) -> torch.Tensor:
+        """The argmax of `execute`'s logits (the captured graphs end in them)."""
+        return row_argmax(self.execute(batch))
 
     def _plan(self, batch: StepBatch, bucket: int | None = None) -> StepPlan:
         return plan_step(batch, self.block_size, self.num_kv_heads, self.num_sms, self.group, pad_to=bucket,

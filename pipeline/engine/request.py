@@ -113,6 +113,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias, min_tokens or a penalty may change this request's logits before the draw."""
+        return bool(self.logit_bias or self.min_tokens or self.penalized)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else wanted of the logits: each token is their argmax as the model gives them."""
+        return self.greedy and not self.logprobs and not self.adjusts_logits and not self.constrained
+
 
 @dataclass
 class Request:

@@ -1,7 +1,8 @@
 """One model step over a flat batch, reading and writing the paged KV cache.
 
 `build_batch` (on the scheduling rank) turns the scheduler's choice into a `StepBatch` of plain tensors;
-`Runner.execute(batch)` runs the model on it and returns float32 logits for the rows that sample. That
+`Runner.execute(batch)` runs the model on it and returns float32 logits for the rows that sample
+(`execute_greedy`: only each row's argmax, for steps that want nothing else of the logits). That
 single call is everything a tensor-parallel worker needs: every rank executes the same batch on its own
 shard of the model and of the KV cache, and rank 0 samples.
 
@@ -386,19 +387,32 @@ class Runner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; float32 logits [len(batch.logits_rows), vocab] (possibly zero rows)."""
+        return self.model.compute_logits(self._sampling_hidden(batch))
+
+    @torch.inference_mode()
+    def execute_greedy(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; each logits row's argmax [len(batch.logits_rows)], without the logits where the
+        model's head can (`LlamaModel.greedy_tokens`)."""
+        return self.model.greedy_tokens(self._sampling_hidden(batch))
+
+    def _sampling_hidden(self, batch: StepBatch) -> torch.Tensor:
+        """The model's final hidden states of the rows whose logits the step wants."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         self.attn.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        return hidden.index_select(0, batch.logits_rows)
 
 
 class StepRunner(Protocol):
-    """What the engine needs of a runner: one step in, logits out, and the attention state it reports on."""
+    """What the engine needs of a runner: one step in, logits out (or, for steps where every row is plain
+    greedy, just each row's argmax), and the attention state it reports on."""
 
     attn: PagedAttention
 
     def execute(self, batch: StepBatch) -> torch.Tensor: ...
+
+    def execute_greedy(self, batch: StepBatch) -> torch.Tensor: ...
 
 
 # (model, num_blocks, block_size, device) -> runner; `Runner` itself, or a tensor-parallel one.

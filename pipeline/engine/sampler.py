@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.argmax import row_argmax
 from pipeline.engine.sequence import Sequence
 
 # (rows of the batch, their allowed next tokens [len(rows), V] bool): constrained decoding's mask.
@@ -134,30 +135,6 @@ def adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     return penalize(logits, seqs)
 
 
-ARGMAX_CHUNK = 1024
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(-1)` for [R, V] `x`, the same indices (the first on ties; a NaN wins, as there).
-
-    On CPU torch's argmax is a scalar loop (2.7 ms for 128 x 49,152 float32 logits on the development
-    machine) while amax vectorizes: the maximum of each 1,024-wide chunk, the first chunk holding the row's
-    maximum, then argmax inside that chunk only: 4-9x faster there (`bench/sampler.py`)."""
-    rows, vocab = x.shape
-    chunks = vocab // ARGMAX_CHUNK
-    if x.device.type != "cpu" or chunks < 2:
-        return x.argmax(dim=-1)
-    main = x[:, : chunks * ARGMAX_CHUNK].view(rows, chunks, ARGMAX_CHUNK)
-    chunk = main.amax(dim=-1).argmax(dim=-1)
-    tokens = chunk * ARGMAX_CHUNK + main[torch.arange(rows), chunk].argmax(dim=-1)
-    if chunks * ARGMAX_CHUNK == vocab:
-        return tokens
-    tail_max, tail_at = x[:, chunks * ARGMAX_CHUNK :].max(dim=-1)  # later ids win only when strictly larger
-    best = x.gather(1, tokens[:, None]).squeeze(1)
-    later = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
-    return torch.where(later, tail_at + chunks * ARGMAX_CHUNK, tokens)
-
-
 def exponential_draws(seqs: list[Sequence], rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(rows), vocab] Exp(1) numbers, row i from seqs[rows[i]]'s generator, one per vocabulary id."""
     u = torch.empty(len(rows), vocab)
@@ -172,8 +149,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     """One token per row of `logits` [R, V] (float32), row i belonging to seqs[i]; `allowed` masks the
     constrained rows. Logprobs are of the logits as given; the draw is from the adjusted ones."""
     raw = logits
-    if allowed is not None or any(s.sampling.logit_bias or s.sampling.min_tokens or s.sampling.penalized
-                                  for s in seqs):
+    if allowed is not None or any(s.sampling.adjusts_logits for s in seqs):
         logits = adjust(logits.clone(), seqs, eos_token_ids, allowed)
     tokens = row_argmax(logits)
     sampled_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]

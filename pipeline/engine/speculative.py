@@ -20,10 +20,10 @@ from typing import Any, Protocol
 
 import torch
 
+from kernels.argmax import row_argmax
 from pipeline.engine.config import SpeculativeConfig
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.runner import Runner, build_batch
-from pipeline.engine.sampler import row_argmax
 from pipeline.engine.sequence import Sequence
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.argmax import row_argmax
 from pipeline.parallel.group import SINGLE, TPGroup
 
 
@@ -186,3 +187,8 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight).float()
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely token id [N] (int64): the argmax of `forward(hidden)`, for steps that
+        want nothing else of the logits."""
+        return row_argmax(self(hidden))

@@ -188,6 +188,11 @@ class LlamaModel(nn.Module):
         """float32 logits [N, vocab] for the given rows of hidden states."""
         return self.lm_head(hidden)
 
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of `compute_logits(hidden)` [N] (int64), without the logits where the head can."""
+        return self.lm_head.greedy(hidden)
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (name, full tensor) pairs in Hugging Face naming; each module keeps its own shard.
 

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import packed_matmul, w8a8_matmul, wq_matmul
+from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
+from kernels.dispatch import int_mm_w8a8_sums, packed_matmul, w8a8_matmul, wq_matmul
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, native_bf16, pack_for_cpu
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
 from pipeline.model.calibration import measure_ranges
@@ -346,11 +347,39 @@ class QuantLMHead(LMHead):
         if not self.choice.uses_w8a8(hidden.shape[0]):
             return super().forward(hidden)
         if self.mode == "int8":
-            x = hidden if self.columns is None else hidden.float()[:, self.columns] * self.column_scale
-            logits = w8a8_matmul(x, self.fast_weight, self.fast_scales).float()
+            logits = w8a8_matmul(self._int8_input(hidden), self.fast_weight, self.fast_scales).float()
         else:
             logits = F.linear(hidden.to(torch.bfloat16), self.fast_weight).float()
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of `forward(hidden)`. The int8 head on CPU takes its chunk maxima (`kernels.argmax`)
+        straight from the integer sums, in the pass that would have written the float logits, and
+        recomputes only the winning chunks' columns: the [rows, vocab] logits (25 MB at 128 rows of
+        SmolLM2) are never written or read back."""
+        fused = (self.mode == "int8" and hidden.device.type == "cpu" and self.tp.size == 1
+                 and (self.columns is not None or hidden.dtype == torch.float32)  # float32 logits in forward
+                 and self.vocab_size >= 2 * ARGMAX_CHUNK and self.choice.uses_w8a8(hidden.shape[0]))
+        if not fused:
+            return super().greedy(hidden)
+        sums, row_scales, maxima = self._greedy_sums(hidden)
+        scales = self.fast_scales.reshape(-1)
+        return argmax_by_chunks(maxima, lambda cols: sums.gather(1, cols).float().mul_(row_scales).mul_(scales[cols]),
+                                self.vocab_size)
+
+    def compile(self, *args, **kwargs) -> None:
+        super().compile(*args, **kwargs)
+        self._greedy_sums = torch.compile(self._greedy_sums, *args, **kwargs)
+
+    def _greedy_sums(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The int8 head's sums [N, vocab], row scales [N, 1] and the chunk maxima of the logits they
+        make, computed as `int_mm_w8a8` computes them (compiled, the maxima fuse into the sums' one pass)."""
+        sums, row_scales = int_mm_w8a8_sums(self._int8_input(hidden), self.fast_weight)
+        return sums, row_scales, chunk_maxima(sums.float() * row_scales * self.fast_scales.reshape(1, -1))
+
+    def _int8_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The int8 head's activations: the outlier channels split over their columns (`column_copies`)."""
+        return hidden if self.columns is None else hidden.float()[:, self.columns] * self.column_scale
 
 
 def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: str,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kernels.argmax import row_argmax
 from pipeline.engine.runner import Runner, StepBatch
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import LoadedModel, load_model, open_model_file
@@ -94,6 +95,10 @@ class TPRunner:
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         return self.driver.step(pack_batch(batch), lambda: self.local.execute(batch))
+
+    def execute_greedy(self, batch: StepBatch) -> torch.Tensor:
+        """Every rank computes its vocabulary slice; rank 0 gathers the logits and takes the argmax."""
+        return row_argmax(self.execute(batch))
 
 
 @dataclass

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from kernels.argmax import row_argmax
 from pipeline.engine.request import SamplingParams
-from pipeline.engine.sampler import adjust, filter_probs, row_argmax, sample
+from pipeline.engine.sampler import adjust, filter_probs, sample
 from pipeline.engine.sequence import Sequence
 
 

@@ -9,6 +9,7 @@ from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import dequantize, quantize_int8, wq_matmul_reference
 from pipeline.model.calibration import calibration_ids, measure_ranges
 from pipeline.model.layers import LMHead
+from pipeline.model.llama import cpp_compiler
 from pipeline.model.loader import load_model
 from pipeline.model.quant import (
     MAX_COPIES,
@@ -175,6 +176,58 @@ def test_split_int8_head_is_the_w8a8_product_of_the_split_columns_and_beats_plai
     exact = x @ (q.float() * s).T
     split_err, plain_err = (split(x) - exact).norm(), (plain(x) - exact).norm()
     assert split_err < plain_err / 3
+
+
+@pytest.mark.parametrize("vocab,split,compiled", [
+    (49152, True, False),  # whole chunks, outlier channels split
+    (49152, False, True),  # the compiled head, as the engine runs it
+    (5000, True, False),  # a ragged tail past the last whole chunk
+    (1500, False, False),  # under two chunks: the plain argmax of the logits
+])
+def test_int8_head_greedy_is_the_argmax_of_its_logits(vocab, split, compiled):
+    """`greedy` takes the int8 head's chunk maxima from its integer sums and never writes the logits; the
+    tokens are the logits' argmax all the same, ties (two equal weight rows: the first id) included."""
+    if compiled and cpp_compiler() is None:
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    g = torch.Generator().manual_seed(vocab)
+    hidden = 64
+    head = LMHead(vocab, hidden)
+    head.weight.data.normal_(generator=g)
+    x = torch.randn(12, hidden, generator=g)
+    x[:, 5] *= 30
+    head.weight.data[vocab - 3] = head.weight.data[700]  # equal logits in two chunks (or chunk and tail)
+    head.weight.data[701] = head.weight.data[702]  # and inside one chunk
+    x[0] = head.weight.data[700] * 4
+    x[1] = head.weight.data[701] * 4
+    copies = column_copies(x.abs().amax(0), outliers=4) if split else None
+    q = QuantLMHead(head, KernelChoice("", 1), "int8", copies)
+    if compiled:
+        q.compile(dynamic=True)
+    logits = q(x)
+    assert logits.argmax(-1)[:2].tolist() == [700, 701]  # the planted ties are the rows' maxima
+    assert torch.equal(q.greedy(x), logits.argmax(-1))
+
+
+def test_engine_greedy_steps_skip_the_logits_and_emit_the_same_tokens(tiny_model_dir, monkeypatch):
+    """Steps where every row is plain greedy take the runner's argmaxes (the int8 head's fused path); the
+    same requests asking for logprobs, which need the logits, emit the same tokens."""
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.request import Request, SamplingParams
+
+    loaded = load_model(tiny_model_dir, quant="w8a8", quant_lm_head="int8")
+    fused = []
+    greedy = QuantLMHead.greedy
+    monkeypatch.setattr(QuantLMHead, "greedy", lambda head, hidden: fused.append(len(hidden)) or greedy(head, hidden))
+    prompts = [[1 + (7 * i + j) % 900 for j in range(5 + i)] for i in range(6)]
+    outputs = {}
+    for logprobs in (0, 1):
+        engine = Engine(loaded, EngineConfig(kv_cache_memory="16MiB"))
+        sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=logprobs)
+        outputs[logprobs] = {r.id: r.token_ids for r in engine.generate(Request(i, p, sp) for i, p in enumerate(prompts))}
+        assert bool(fused) == (logprobs == 0)
+        fused.clear()
+    assert outputs[0] == outputs[1]
 
 
 def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_head_channels(tiny_model_dir):
