@@ -10,6 +10,7 @@ the CPU flags and load average, each mode's tok/s, and the ratios to transformer
 
     python bench/throughput.py --workload distinct --modes none,int8,int4,gguf,w8a8,auto
     python bench/throughput.py --workload shared --new-tokens 64 --modes none,w8a8,auto
+    python bench/throughput.py --modes auto,auto+logits --batch 128  # the fused greedy head, side by side
 
 The model runs in float32 (the job's default), as the job does: `auto` is resolved from this machine's
 probe exactly as `model.quant=auto` is. `--dtype auto` takes bfloat16 only when the probe finds bf16
@@ -19,9 +20,11 @@ matmuls faster than fp32 (CPUs without AVX-512 bf16 run bf16 matmuls in slow fal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -124,6 +127,17 @@ def run_engine(loaded, prompts: list[list[int]], args) -> dict:
             "outputs": outputs, "batch": engine.max_batch_size, "tuning_s": choice.seconds if choice else 0.0}
 
 
+@contextlib.contextmanager
+def greedy_through_logits() -> Iterator[None]:
+    """Plain-greedy steps take the logits and the sampler, as before the runner's `execute_greedy` (A/B)."""
+    fused = SamplingParams.plain_greedy
+    SamplingParams.plain_greedy = property(lambda self: False)
+    try:
+        yield
+    finally:
+        SamplingParams.plain_greedy = fused
+
+
 def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     """Our fused q/k/v and gate/up weights split back into Hugging Face Llama names."""
     cfg = model.config
@@ -211,7 +225,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="none,auto",
                     help="comma-separated model.quant values for the engine, each optionally /float32 or /bfloat16 "
-                         "for model.kv_cache_dtype (default: auto, as the job resolves it)")
+                         "for model.kv_cache_dtype (default: auto, as the job resolves it) and +logits for greedy "
+                         "steps through the logits and the sampler (the path before the fused greedy head)")
     ap.add_argument("--w8a8-rows", type=int, default=16, help="model.quant_w8a8_rows for int8/int4/gguf")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every mode and transformers")
     ap.add_argument("--batch", type=lambda v: v if v == "auto" else int(v), default="auto",
@@ -254,7 +269,10 @@ def main() -> None:
           f"tokens, {args.new_tokens} new tokens each")
 
     modes = args.modes.split(",")
-    models = {m: load_mode(path, getattr(torch, dtype_name), m, auto, args.w8a8_rows) for m in modes}
+    for m in modes:
+        if m.partition("+")[2] not in ("", "logits"):
+            raise SystemExit(f"--modes: {m!r}: the only suffix is +logits")
+    models = {m: load_mode(path, getattr(torch, dtype_name), m.partition("+")[0], auto, args.w8a8_rows) for m in modes}
     hf_source = base if dtype_name == best_dtype else load_model(path, getattr(torch, best_dtype))
     hf_best = None  # (attn, batch, model)
     for attn in args.hf_attn.split(","):
@@ -272,7 +290,8 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
             loaded = models[mode]
-            eng = run_engine(loaded, prompts, args)
+            with greedy_through_logits() if mode.endswith("+logits") else contextlib.nullcontext():
+                eng = run_engine(loaded, prompts, args)
             s = eng["stats"]
             rates[mode].append(eng["tokens_per_s"])
             first_outputs = first_outputs or eng["outputs"]
