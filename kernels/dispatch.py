@@ -44,7 +44,7 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) ->
 def int_mm_w8a8(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
     """W8A8 through `torch._int_mm` (oneDNN on CPU; cuBLASLt on CUDA, which needs more than 16 rows)."""
     acc, sx = int_mm_w8a8_sums(x.reshape(-1, x.shape[-1]), qweight)
-    y = acc.float().mul_(sx).mul_(wscale.reshape(1, -1))  # one int32 -> float pass, the scales in place
+    y = dequantize_sums(acc, sx, wscale.reshape(1, -1))
     return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
 
 
@@ -53,3 +53,9 @@ def int_mm_w8a8_sums(x: torch.Tensor, qweight: torch.Tensor) -> tuple[torch.Tens
     scales [M, 1]; y = sums * row scale * weight scale (`int_mm_w8a8`)."""
     q, sx = quantize_rows(x)
     return torch._int_mm(q, qweight.t()), sx
+
+
+def dequantize_sums(sums: torch.Tensor, row_scales: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tensor:
+    """float32 W8A8 outputs from int32 sums: sums x row scale x weight scale, in that order, so that every
+    caller (a whole output, or a few columns of it recomputed) rounds alike. One pass, the scales in place."""
+    return sums.float().mul_(row_scales).mul_(weight_scales)

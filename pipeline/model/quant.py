@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
-from kernels.dispatch import int_mm_w8a8_sums, packed_matmul, w8a8_matmul, wq_matmul
+from kernels.dispatch import dequantize_sums, int_mm_w8a8_sums, packed_matmul, w8a8_matmul, wq_matmul
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, native_bf16, pack_for_cpu
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
 from pipeline.model.calibration import measure_ranges
@@ -364,7 +364,7 @@ class QuantLMHead(LMHead):
             return super().greedy(hidden)
         sums, row_scales, maxima = self._greedy_sums(hidden)
         scales = self.fast_scales.reshape(-1)
-        return argmax_by_chunks(maxima, lambda cols: sums.gather(1, cols).float().mul_(row_scales).mul_(scales[cols]),
+        return argmax_by_chunks(maxima, lambda cols: dequantize_sums(sums.gather(1, cols), row_scales, scales[cols]),
                                 self.vocab_size)
 
     def compile(self, *args, **kwargs) -> None:
@@ -373,9 +373,9 @@ class QuantLMHead(LMHead):
 
     def _greedy_sums(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The int8 head's sums [N, vocab], row scales [N, 1] and the chunk maxima of the logits they
-        make, computed as `int_mm_w8a8` computes them (compiled, the maxima fuse into the sums' one pass)."""
+        make (compiled, the maxima fuse into the pass over the sums, and no logits are stored)."""
         sums, row_scales = int_mm_w8a8_sums(self._int8_input(hidden), self.fast_weight)
-        return sums, row_scales, chunk_maxima(sums.float() * row_scales * self.fast_scales.reshape(1, -1))
+        return sums, row_scales, chunk_maxima(dequantize_sums(sums, row_scales, self.fast_scales.reshape(1, -1)))
 
     def _int8_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The int8 head's activations: the outlier channels split over their columns (`column_copies`)."""

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kernels.argmax import row_argmax
 from pipeline.engine.runner import Runner, StepBatch
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import LoadedModel, load_model, open_model_file
@@ -97,8 +96,9 @@ class TPRunner:
         return self.driver.step(pack_batch(batch), lambda: self.local.execute(batch))
 
     def execute_greedy(self, batch: StepBatch) -> torch.Tensor:
-        """Every rank computes its vocabulary slice; rank 0 gathers the logits and takes the argmax."""
-        return row_argmax(self.execute(batch))
+        """The workers run the step as always; here the head gathers the vocabulary slices and takes the
+        argmax (`LMHead.greedy` under tensor parallelism)."""
+        return self.driver.step(pack_batch(batch), lambda: self.local.execute_greedy(batch))
 
 
 @dataclass
