@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The tests run Triton kernels under its interpreter (on CPU). Set before anything imports triton:
+# @triton.jit reads it when a function is defined, triton's own library functions included, and
+# torch.compile imports triton where it is installed; set later, a test that compiled first broke the
+# kernel tests after it.
+os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

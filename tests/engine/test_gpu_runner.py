@@ -5,14 +5,12 @@ that need a GPU skip without one (bench/gpu_check.sh runs the path on a real dev
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition (read by @triton.jit)
 pytest.importorskip("triton")
 import kernels.paged_attention as pa  # noqa: E402
 from pipeline.config import resolve_dtype  # noqa: E402

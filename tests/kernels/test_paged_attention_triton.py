@@ -5,12 +5,10 @@ sizes 16 and 32. Shapes are small: the interpreter costs about a millisecond per
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition (read by @triton.jit)
 pytest.importorskip("triton")
 import kernels.paged_attention as pa  # noqa: E402
 from kernels.paged_attention_reference import (  # noqa: E402

@@ -7,12 +7,10 @@ a multiple of BLOCK_K, groups 32/64/128 and per channel.
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernel's definition (read by @triton.jit)
 pytest.importorskip("triton")
 import kernels.wq_triton as wq_triton  # noqa: E402
 from kernels.wq_reference import quantize_int4, quantize_int8, wq_matmul_reference  # noqa: E402
