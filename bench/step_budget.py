@@ -89,7 +89,6 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     args = ap.parse_args()
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     hw = probe()
     path = args.model or default_model_path()
     base = load_model(path, torch.float32)
