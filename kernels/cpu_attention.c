@@ -158,20 +158,21 @@ static inline void store_row(kv_t *dst, float *scale, const float *x)
 }
 #endif
 
-/* The step's new keys and values into their slots: k and v are float32 [n, num_kv_heads, HEAD_DIM], token i
- * goes to slot slots[i] (block * BLOCK + offset) of every head's pool, converted to the pool's dtype (int8
- * pools: with its scale into the scale pools, which other dtypes do not have). One pass instead of a cast
- * and an index_copy per pool. */
-void paged_write(const float *k, const float *v, const int64_t *slots, int64_t n, kv_t *k_pool, kv_t *v_pool,
-                 float *k_scale, float *v_scale, int64_t num_kv_heads, int64_t num_blocks)
+/* The step's new keys and values into their slots: k and v are float32 [n, num_kv_heads, HEAD_DIM] with
+ * heads and HEAD_DIM packed and tokens k_stride / v_stride floats apart (views into the fused qkv output
+ * need no copy), token i goes to slot slots[i] (block * BLOCK + offset) of every head's pool, converted to
+ * the pool's dtype (int8 pools: with its scale into the scale pools, which other dtypes do not have). One
+ * pass instead of a cast and an index_copy per pool. */
+void paged_write(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+                 int64_t n, kv_t *k_pool, kv_t *v_pool, float *k_scale, float *v_scale, int64_t num_kv_heads,
+                 int64_t num_blocks)
 {
 #pragma omp parallel for collapse(2) if (n * num_kv_heads > 4096)
     for (int64_t i = 0; i < n; i++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t src = (i * num_kv_heads + h) * HEAD_DIM;
             const int64_t slot = h * num_blocks * BLOCK + slots[i];
-            store_row(k_pool + slot * HEAD_DIM, k_scale + slot, k + src);
-            store_row(v_pool + slot * HEAD_DIM, v_scale + slot, v + src);
+            store_row(k_pool + slot * HEAD_DIM, k_scale + slot, k + i * k_stride + h * HEAD_DIM);
+            store_row(v_pool + slot * HEAD_DIM, v_scale + slot, v + i * v_stride + h * HEAD_DIM);
         }
     }
 }

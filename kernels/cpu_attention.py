@@ -64,25 +64,29 @@ class PagedDecodeKernel:
             ctypes.c_int64] * 3 + [ctypes.c_float]
         self._write = library.paged_write
         self._write.restype = None
-        self._write.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+        self._write.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [
+            ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
               v_pool: torch.Tensor, k_scales: torch.Tensor | None = None,
               v_scales: torch.Tensor | None = None) -> None:
         """Store token i's k[i], v[i] ([n, Hkv, D] float32) at slot slots[i] (block * block_size + offset) of
         the pools, rounded to the pools' dtype as `Tensor.to` rounds (int8 pools: as `quantize_kv`, the
-        scales into k_scales / v_scales [Hkv, num_blocks, block_size] float32)."""
+        scales into k_scales / v_scales [Hkv, num_blocks, block_size] float32). k and v may be views with
+        tokens any stride apart (slices of a fused qkv output): they are read in place, not copied."""
         hkv, num_blocks, block_size, dim = k_pool.shape
         if (dim, block_size) != (self.head_dim, self.block_size) or k.shape != v.shape or k.shape[1:] != (hkv, dim):
             raise ValueError(f"kernel built for head_dim/block {self.head_dim}/{self.block_size}, called with "
                              f"keys {tuple(k.shape)}, values {tuple(v.shape)} and pools {tuple(k_pool.shape)}")
-        for name, t, dtype in (("k", k, torch.float32), ("v", v, torch.float32), ("slots", slots, torch.int64),
-                               ("k_pool", k_pool, self.kv_dtype), ("v_pool", v_pool, self.kv_dtype)):
+        k, v = _packed_tokens("k", k), _packed_tokens("v", v)
+        for name, t, dtype in (("slots", slots, torch.int64), ("k_pool", k_pool, self.kv_dtype),
+                               ("v_pool", v_pool, self.kv_dtype)):
             _check(name, t, dtype)
         if slots.shape != (k.shape[0],):
             raise ValueError(f"slots must have {k.shape[0]} entries, got {tuple(slots.shape)}")
         ks, vs = self._scales(k_pool, k_scales, v_scales)
-        self._write(k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0], k_pool.data_ptr(), v_pool.data_ptr(),
+        self._write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), k.shape[0],
+                    k_pool.data_ptr(), v_pool.data_ptr(),
                     ks, vs, hkv, num_blocks)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -123,6 +127,14 @@ class PagedDecodeKernel:
                                  f"{None if t is None else tuple(t.shape)}")
             _check(name, t, torch.float32)
         return k_scales.data_ptr(), v_scales.data_ptr()
+
+
+def _packed_tokens(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU t [n, H, D] with each token's H x D values packed, as the write kernel reads it (tokens
+    may be any stride apart), copied only where they are not."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    return t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous()
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:

@@ -241,8 +241,7 @@ class PagedAttention:
         kp, vp = self.k[layer], self.v[layer]
         hkv, nb, bs, dim = kp.shape
         if self.native is not None:  # cast and scatter in one native pass
-            self.native.write(k.float().contiguous(), v.float().contiguous(), batch.slot_mapping, kp, vp,
-                              **self._layer_scales(layer))
+            self.native.write(k.float(), v.float(), batch.slot_mapping, kp, vp, **self._layer_scales(layer))
         else:
             flat_k, flat_v = kp.view(hkv, nb * bs, dim), vp.view(hkv, nb * bs, dim)
             flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(kp.dtype))

@@ -144,6 +144,30 @@ def test_int8_write_matches_quantize_kv(tokens):
     assert expected[2].view(hkv, -1)[1, slots[0]] == 0  # the zero vector's scale
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_write_reads_token_strided_views(kv_dtype):
+    """Keys and values sliced out of a fused qkv output (tokens a whole qkv row apart) are stored as their
+    contiguous copies are."""
+    kernel = kernel_or_skip(64, 3, 16, kv_dtype)
+    hkv, num_blocks, block, dim, hq = 3, 40, 16, 64, 9
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(37, (hq + 2 * hkv) * dim, generator=g)
+    _, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=1)
+    k, v = k.view(-1, hkv, dim), v.view(-1, hkv, dim)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    slots = torch.randperm(num_blocks * block, generator=g)[: len(qkv)]
+    int8 = kv_dtype == torch.int8
+    results = []
+    for keys, values in ((k, v), (k.contiguous(), v.contiguous())):
+        pools = [torch.zeros(hkv, num_blocks, block, dim, dtype=kv_dtype) for _ in "kv"]
+        scales = [torch.zeros(hkv, num_blocks, block) for _ in "kv"] if int8 else [None, None]
+        kernel.write(keys, values, slots, *pools, k_scales=scales[0], v_scales=scales[1])
+        results.append([*pools, *(scales if int8 else [])])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert results[0][0].abs().sum() > 0
+
+
 def test_int8_pools_need_their_scales():
     kernel = kernel_or_skip(64, 3, 16, torch.int8)
     pool = torch.zeros(3, 4, 16, 64, dtype=torch.int8)
