@@ -183,9 +183,21 @@ class PagedAttention:
             first = max(0, keys - (starts[b + 1] - starts[b]) - self.window + 1) // self.block_size if self.window else 0
             blocks = batch.block_tables[b, first : -(-keys // self.block_size)]
             self._prefills.append((starts[b], starts[b + 1], keys - first * self.block_size, self._pool_rows(blocks)))
-        for src, dst in batch.block_copies.tolist():
-            for pool in (*self.k, *self.v, *(p for pools in self.scales.values() for p in pools)):
-                pool[:, dst].copy_(pool[:, src])
+        if batch.block_copies.numel():
+            self._copy_blocks(batch.block_copies.tolist())
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Make each (src, dst) block a copy of src in every pool, in order: one gather and scatter per pool
+        (a step admitting many sequences onto a shared partial block makes dozens of copies, each ~120 pool
+        slices). A source that an earlier copy wrote is read at that copy's own source instead, which holds
+        the same keys, so a single gather sees what copying one by one would."""
+        origin: dict[int, int] = {}
+        for src, dst in copies:
+            origin[dst] = origin.get(src, src)
+        dst = torch.tensor(list(origin), device=self.k[0].device)
+        src = torch.tensor(list(origin.values()), device=self.k[0].device)
+        for pool in (*self.k, *self.v, *(p for pools in self.scales.values() for p in pools)):
+            pool[:, dst] = pool[:, src]
 
     def _prepare_gathered_decode(self, tables: torch.Tensor, lens: torch.Tensor) -> None:
         """torch's decode path: which pool rows to gather for each query row, the padding mask, and the

@@ -173,3 +173,29 @@ def test_sliding_window_reads_only_blocks_in_the_window(window):
             attn.v[0][:, block] = float("nan")
     out = attn.attend(0, q, k, v)
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("copies", [
+    [(1, 4)],
+    [(1, 4), (2, 5), (3, 6)],  # one step admitting several sequences onto shared partial blocks
+    [(1, 4), (4, 7)],  # a copy of a block an earlier copy wrote (a fork of a just-copied sequence)
+    [(4, 8), (1, 4)],  # a block read before a later copy overwrites it
+    [(1, 9), (2, 9)],  # the same block written twice: the last copy wins
+])
+def test_block_copies_equal_copying_one_by_one(copies):
+    """`StepBatch.block_copies`, made in one gather per pool, leave every pool as copying each (src, dst) in
+    order would."""
+    attn = PagedAttention(3, 12, BLOCK, HKV, DIM, torch.float32, torch.device("cpu"), DIM**-0.5)
+    for pool in (*attn.k, *attn.v):
+        pool.normal_()
+    expected = [p.clone() for p in (*attn.k, *attn.v)]
+    for src, dst in copies:
+        for pool in expected:
+            pool[:, dst] = pool[:, src].clone()
+    empty = torch.zeros(0, dtype=torch.long)
+    attn.prepare(StepBatch(input_ids=empty, positions=empty, slot_mapping=empty,
+                           query_start=torch.zeros(1, dtype=torch.long), context_lens=empty,
+                           block_tables=torch.zeros(0, 1, dtype=torch.long), num_decodes=0, logits_rows=empty,
+                           block_copies=torch.tensor(copies)))
+    for got, want in zip((*attn.k, *attn.v), expected):
+        assert torch.equal(got, want)
