@@ -32,7 +32,7 @@ from kernels.paged_attention import (
     prefix_rows_per_tile,
     prefix_tiles,
 )
-from pipeline.engine.runner import StepBatch, shared_prefixes
+from pipeline.engine.runner import StepBatch, copy_blocks, shared_prefixes
 from pipeline.model.llama import LlamaModel
 
 
@@ -180,9 +180,7 @@ class TritonPagedAttention:
         self.attention_seconds = 0.0  # not measured: the kernels run asynchronously (model_time covers them)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        for src, dst in copies:
-            for pool in (*self.k, *self.v):
-                pool[:, dst].copy_(pool[:, src])
+        copy_blocks((*self.k, *self.v), copies)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         step, plan = self.step, self.step.plan

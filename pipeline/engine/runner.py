@@ -117,6 +117,23 @@ def build_batch(
     return batch, samplers, spans
 
 
+def copy_blocks(pools: tuple[torch.Tensor, ...], copies: list[tuple[int, int]]) -> None:
+    """Make each (src, dst) block (dim 1 of every pool) a copy of src, in order, with one gather and scatter
+    per pool: a step admitting many sequences onto shared partial blocks makes dozens of copies, and
+    per-block slices cost each pool a call per copy. A source that an earlier copy wrote is read at that
+    copy's own source instead, which holds the same keys, so the one gather sees what copying one by one
+    would."""
+    if not copies:
+        return
+    origin: dict[int, int] = {}
+    for src, dst in copies:
+        origin[dst] = origin.get(src, src)
+    dst = torch.tensor(list(origin), device=pools[0].device)
+    src = torch.tensor(list(origin.values()), device=pools[0].device)
+    for pool in pools:
+        pool[:, dst] = pool[:, src]
+
+
 class PagedAttention:
     """`AttentionBackend` over per-layer block pools shaped [Hkv, num_blocks, block_size, D].
 
@@ -184,20 +201,8 @@ class PagedAttention:
             blocks = batch.block_tables[b, first : -(-keys // self.block_size)]
             self._prefills.append((starts[b], starts[b + 1], keys - first * self.block_size, self._pool_rows(blocks)))
         if batch.block_copies.numel():
-            self._copy_blocks(batch.block_copies.tolist())
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Make each (src, dst) block a copy of src in every pool, in order: one gather and scatter per pool
-        (a step admitting many sequences onto a shared partial block makes dozens of copies, each ~120 pool
-        slices). A source that an earlier copy wrote is read at that copy's own source instead, which holds
-        the same keys, so a single gather sees what copying one by one would."""
-        origin: dict[int, int] = {}
-        for src, dst in copies:
-            origin[dst] = origin.get(src, src)
-        dst = torch.tensor(list(origin), device=self.k[0].device)
-        src = torch.tensor(list(origin.values()), device=self.k[0].device)
-        for pool in (*self.k, *self.v, *(p for pools in self.scales.values() for p in pools)):
-            pool[:, dst] = pool[:, src]
+            copy_blocks((*self.k, *self.v, *(p for pools in self.scales.values() for p in pools)),
+                        batch.block_copies.tolist())
 
     def _prepare_gathered_decode(self, tables: torch.Tensor, lens: torch.Tensor) -> None:
         """torch's decode path: which pool rows to gather for each query row, the padding mask, and the
