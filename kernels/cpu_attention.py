@@ -86,8 +86,7 @@ class PagedDecodeKernel:
             raise ValueError(f"slots must have {k.shape[0]} entries, got {tuple(slots.shape)}")
         ks, vs = self._scales(k_pool, k_scales, v_scales)
         self._write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), k.shape[0],
-                    k_pool.data_ptr(), v_pool.data_ptr(),
-                    ks, vs, hkv, num_blocks)
+                    k_pool.data_ptr(), v_pool.data_ptr(), ks, vs, hkv, num_blocks)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, first: torch.Tensor, scale: float, k_scales: torch.Tensor | None = None,
