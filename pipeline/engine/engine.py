@@ -199,6 +199,8 @@ class Engine:
         self._propose()
         work = self.scheduler.schedule()
         if not work:
+            if not self.scheduler.has_work():  # idle: nothing queued or running
+                return []
             raise RuntimeError("scheduler found no work it could run although sequences are waiting")
         if self.scheduler.waiting:
             stats.steady_steps += 1

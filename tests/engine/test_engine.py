@@ -250,6 +250,16 @@ def test_rss_flat_over_many_short_requests(tiny):
     assert engine.kv.is_idle_whole()
 
 
+def test_step_on_an_idle_engine_does_nothing(tiny):
+    """Stepping past the end of the work (a caller's own loop) returns no results instead of failing."""
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB"))
+    assert engine.step() == []
+    engine.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=2)))
+    finished = [r for _ in range(6) for r in engine.step()]
+    assert [r.id for r in finished] == ["a"] and len(finished[0].token_ids) == 2
+    assert engine.kv.is_idle_whole() and engine.stats.steps == 2
+
+
 def test_stopping_early_returns_every_block(tiny):
     engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB"))
     stream = engine.generate(Request(i, p, SamplingParams(max_tokens=50)) for i, p in enumerate(random_prompts(20, 5, 30)))
