@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from kernels.cpu_attention import NativeKernelUnavailable, PagedDecodeKernel, load_paged_decode
+from pipeline.engine.host_memory import keep_step_buffers
 from pipeline.engine.sequence import Sequence
 from pipeline.model.attention import causal_attention
 from pipeline.model.llama import LlamaModel
@@ -399,6 +400,8 @@ class Runner:
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads // model.tp.size, cfg.head_dim,
             model.kv_dtype, device, model.scale, cfg.sliding_window, native_group=cfg.num_heads // cfg.num_kv_heads,
         )
+        if device.type == "cpu":  # after the pools: they keep their own mappings, steps reuse the heap
+            keep_step_buffers()
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
