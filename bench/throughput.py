@@ -15,6 +15,11 @@ the CPU flags and load average, each mode's tok/s, and the ratios to transformer
 The model runs in float32 (the job's default), as the job does: `auto` is resolved from this machine's
 probe exactly as `model.quant=auto` is. `--dtype auto` takes bfloat16 only when the probe finds bf16
 matmuls faster than fp32 (CPUs without AVX-512 bf16 run bf16 matmuls in slow fallback code).
+
+Both sides run under the heap policy the engine's CPU runner sets (`keep_step_buffers`), from the start:
+it spares transformers' `generate` its page faults too (a 128-row batch took ~0.5-1 million of them
+without it), and since it is process-wide it would otherwise reach transformers only after the first engine
+run.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from pipeline.config import resolve_kv_dtype
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
+from pipeline.engine.host_memory import keep_step_buffers
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import default_model_path, load_model
@@ -244,6 +250,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_step_buffers()  # the same allocator policy for every run (see the module docstring)
 
     hw = probe()
     peaks = {"float32": hw.flops["fp32"], "bfloat16": hw.flops["bf16"]}
