@@ -201,9 +201,8 @@ class PagedAttention:
             first = max(0, keys - (starts[b + 1] - starts[b]) - self.window + 1) // self.block_size if self.window else 0
             blocks = batch.block_tables[b, first : -(-keys // self.block_size)]
             self._prefills.append((starts[b], starts[b + 1], keys - first * self.block_size, self._pool_rows(blocks)))
-        if batch.block_copies.numel():
-            copy_blocks((*self.k, *self.v, *(p for pools in self.scales.values() for p in pools)),
-                        batch.block_copies.tolist())
+        copy_blocks((*self.k, *self.v, *(p for pools in self.scales.values() for p in pools)),
+                    batch.block_copies.tolist())
 
     def _prepare_gathered_decode(self, tables: torch.Tensor, lens: torch.Tensor) -> None:
         """torch's decode path: which pool rows to gather for each query row, the padding mask, and the
@@ -400,7 +399,7 @@ class Runner:
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads // model.tp.size, cfg.head_dim,
             model.kv_dtype, device, model.scale, cfg.sliding_window, native_group=cfg.num_heads // cfg.num_kv_heads,
         )
-        if device.type == "cpu":  # after the pools: they keep their own mappings, steps reuse the heap
+        if device.type == "cpu":  # after the pools are allocated: large ones keep their own mappings
             keep_step_buffers()
 
     @torch.inference_mode()
