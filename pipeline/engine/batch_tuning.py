@@ -71,10 +71,10 @@ def decode_rate(engine: Any, batch: int, prompt_tokens: int = PROMPT_TOKENS, ste
     """Generated tok/s of `engine`'s decode steps with `batch` synthetic sequences running, after their prefill
     and `WARMUP_STEPS` untimed steps. The engine is left empty (its stats are the caller's to reset)."""
     vocab = engine.model_config.vocab_size
-    # Prefill takes several steps (chunks of max_batched_tokens), and the first sequences in decode all along:
-    # none may finish before the timed steps end.
-    prefill_steps = -(-batch * prompt_tokens // engine.config.max_batched_tokens)
-    sampling = SamplingParams(max_tokens=prefill_steps + WARMUP_STEPS + steps + 2, ignore_eos=True)
+    # None may finish before the timed steps end, or those steps time a smaller batch. Prefill takes more
+    # steps than batch x prompt / max_batched_tokens: the first sequences decode all along and take part of
+    # every step's budget. So no length limit short of the model's: the sequences are aborted once timed.
+    sampling = SamplingParams(max_tokens=engine.max_model_len, ignore_eos=True)
     try:
         for i in range(batch):  # distinct prompts, the same ones for every size
             tokens = [(1000 + 7919 * (i * prompt_tokens + j)) % vocab for j in range(prompt_tokens)]

@@ -37,6 +37,25 @@ def test_decode_rate_counts_generated_tokens_and_leaves_the_engine_idle(tiny):
     assert engine.stats.decode_tokens >= 32 * (1 + 2 + 3)
 
 
+def test_decode_rate_times_the_whole_batch_when_decodes_slow_the_prefill(tiny):
+    """A token budget that decoding sequences mostly use up makes the prefill take many more steps than
+    batch x prompt / budget; the sequences decoding all along must still be running in every timed step."""
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size=32, max_batched_tokens=40))
+    generated: list[int] = []
+    step = engine.step
+
+    def counting_step():
+        before = engine.stats.decode_tokens
+        results = step()
+        generated.append(engine.stats.decode_tokens - before)
+        return results
+
+    engine.step = counting_step
+    decode_rate(engine, 32, prompt_tokens=20, steps=3)
+    assert len(generated) > 32 * 20 // 40 + batch_tuning.WARMUP_STEPS + 3  # the prefill did take longer
+    assert generated[-3:] == [32, 32, 32]
+
+
 def test_auto_measures_then_runs_a_job_like_the_fixed_size_it_picked(tiny, monkeypatch):
     monkeypatch.setattr(batch_tuning, "SHORT_RUN_TOKENS", 0)  # 40 x 12 tokens: measured all the same
     prompts = random_prompts(40, 5, 30, seed=4)
