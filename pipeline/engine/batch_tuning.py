@@ -7,8 +7,10 @@ attention and the LM head, which grow with it. Those differ by machine, model an
 
 How: for each candidate size, that many synthetic prompts are prefilled, then a few decode steps with all of
 them running are timed (their prompts share cached blocks from one size to the next, so most of the prefill
-is paid once). The pick is the smallest candidate within `WITHIN` of the best rate: a smaller batch holds
-less KV cache and finishes its tail sooner. Measuring costs seconds (more in float32), so a short run (fewer
+is paid once). The sizes within `RECHECK` of the best are timed once more, in the opposite order, and keep
+their faster rate: one pass of a few steps each can land in a slower spell of the machine, enough to swap
+two sizes ~10% apart. The pick is the smallest candidate within `WITHIN` of the best rate: a smaller batch
+holds less KV cache and finishes its tail sooner. Measuring costs seconds (more in float32), so a short run (fewer
 than `SHORT_RUN_TOKENS` new tokens in all) takes `SHORT_RUN_BATCH` unmeasured. On CUDA nothing is timed:
 decode stays bandwidth bound well past the largest candidate, so the largest that fits is the pick.
 """
@@ -23,6 +25,7 @@ from pipeline.engine.config import BATCH_CANDIDATES
 from pipeline.engine.request import Request, SamplingParams
 
 WITHIN = 0.05  # pick the smallest batch within 5% of the best measured rate
+RECHECK = 0.15  # sizes within 15% of the best rate are timed a second time
 PROMPT_TOKENS = 48  # synthetic prompts: a short chat turn
 WARMUP_STEPS, TIMED_STEPS = 2, 5
 SHORT_RUN_TOKENS = 16_384  # runs that generate fewer tokens in all do not measure
@@ -93,11 +96,16 @@ def decode_rate(engine: Any, batch: int, prompt_tokens: int = PROMPT_TOKENS, ste
 
 
 def measure(engine: Any, sizes: list[int]) -> BatchChoice:
-    """Time each size on `engine` (largest first: the smaller ones find their prompts cached) and pick."""
+    """Time each size on `engine` (largest first: the smaller ones find their prompts cached), the close ones
+    again in the opposite order, and pick."""
     if len(sizes) == 1:
         return unmeasured(sizes, "the only candidate that fits the KV cache and the job's rows", sizes[0])
     start = time.perf_counter()
     rates = {b: decode_rate(engine, b) for b in sorted(sizes, reverse=True)}
+    contenders = sorted(b for b, r in rates.items() if r >= (1 - RECHECK) * max(rates.values()))
+    if len(contenders) > 1:
+        for b in contenders:  # smallest first: each timed early once and late once
+            rates[b] = max(rates[b], decode_rate(engine, b))
     rates = dict(sorted(rates.items()))
     batch = pick(rates)
     figures = ", ".join(f"{b}: {r:.0f}" for b, r in rates.items())

@@ -56,6 +56,23 @@ def test_decode_rate_times_the_whole_batch_when_decodes_slow_the_prefill(tiny):
     assert generated[-3:] == [32, 32, 32]
 
 
+def test_close_sizes_are_timed_again_in_the_opposite_order_and_keep_their_faster_rate(monkeypatch):
+    """One pass put 128 ahead of 256 (a slow spell while 256 ran); the second, smallest first, shows 256
+    ahead by more than the margin. 64, far behind, is not timed again."""
+    passes = {256: [900.0, 1100.0], 128: [1000.0, 950.0], 64: [600.0], 32: [300.0]}
+    timed: list[int] = []
+
+    def scripted_rate(engine, batch):
+        timed.append(batch)
+        return passes[batch][timed.count(batch) - 1]
+
+    monkeypatch.setattr(batch_tuning, "decode_rate", scripted_rate)
+    choice = batch_tuning.measure(None, [32, 64, 128, 256])
+    assert timed == [256, 128, 64, 32, 128, 256]
+    assert choice.rates == {32: 300.0, 64: 600.0, 128: 1000.0, 256: 1100.0}
+    assert choice.batch == 256
+
+
 def test_auto_measures_then_runs_a_job_like_the_fixed_size_it_picked(tiny, monkeypatch):
     monkeypatch.setattr(batch_tuning, "SHORT_RUN_TOKENS", 0)  # 40 x 12 tokens: measured all the same
     prompts = random_prompts(40, 5, 30, seed=4)
