@@ -8,6 +8,9 @@ tensor-like object that supports it (e.g. raw quantized blocks) can be sharded t
 from __future__ import annotations
 
 import math
+import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,18 @@ from torch import nn
 
 from kernels.argmax import row_argmax
 from pipeline.parallel.group import SINGLE, TPGroup
+
+
+def compiled_copy(fn: Callable, **options: Any) -> Callable:
+    """`torch.compile(fn, **options)` on a copy of fn with a code object of its own (a bound method stays
+    bound). Dynamo keeps compiled graphs per code object, so models compiled in one process would share one
+    cache: each call would check the guards of every other model's graphs, and once the cache holds
+    Dynamo's recompile limit (8 graphs) the next model would run eagerly."""
+    func = getattr(fn, "__func__", fn)
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__ = func.__kwdefaults__
+    return torch.compile(own if fn is func else types.MethodType(own, fn.__self__), **options)
 
 
 class RMSNorm(nn.Module):
@@ -192,3 +207,7 @@ class LMHead(nn.Module):
         """Each row's most likely token id [N] (int64): the argmax of `forward(hidden)`, for steps that
         want nothing else of the logits."""
         return row_argmax(self(hidden))
+
+    def compile(self, **options: Any) -> None:
+        """Compile this head's forward with graphs of its own (`compiled_copy`)."""
+        self.forward = compiled_copy(self.forward, **options)

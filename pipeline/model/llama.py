@@ -21,7 +21,15 @@ from torch import nn
 
 from pipeline.model.attention import AttentionBackend, attend, bound_backend
 from pipeline.model.config import ModelConfig
-from pipeline.model.layers import LMHead, ParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
+from pipeline.model.layers import (
+    LMHead,
+    ParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    apply_rope,
+    compiled_copy,
+)
 from pipeline.parallel.group import SINGLE, TPGroup
 
 
@@ -166,7 +174,7 @@ class LlamaModel(nn.Module):
         if cpp_compiler() is None:
             raise RuntimeError("compiled layers need a C++ compiler for torch.compile on CPU (g++, or $CXX): "
                                "install one (Debian: apt-get install g++) or set engine.compile=off")
-        self.run_layers = torch.compile(_run_layers, dynamic=True)
+        self.run_layers = compiled_copy(_run_layers, dynamic=True)
         self.layer_runs = layer_runs(list(self.layers), per_graph)
         # the head too: a W8A8 head's column split, activation quantization and int32 -> float scaling fuse
         # into two loops around the GEMM (eager, the scaling alone passes over [rows, vocab] three times)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_
 from pipeline.model.calibration import measure_ranges
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.fp8_linear import Fp8Linear
-from pipeline.model.layers import LMHead, ParallelLinear
+from pipeline.model.layers import LMHead, ParallelLinear, compiled_copy
 
 GGUF_BLOCK = 32
 
@@ -367,9 +368,9 @@ class QuantLMHead(LMHead):
         return argmax_by_chunks(maxima, lambda cols: dequantize_sums(sums.gather(1, cols), row_scales, scales[cols]),
                                 self.vocab_size)
 
-    def compile(self, *args, **kwargs) -> None:
-        super().compile(*args, **kwargs)
-        self._greedy_sums = torch.compile(self._greedy_sums, *args, **kwargs)
+    def compile(self, **options: Any) -> None:
+        super().compile(**options)
+        self._greedy_sums = compiled_copy(self._greedy_sums, **options)
 
     def _greedy_sums(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The int8 head's sums [N, vocab], row scales [N, 1] and the chunk maxima of the logits they

@@ -48,3 +48,18 @@ def test_without_a_cpp_compiler_compiling_fails_clearly_and_auto_stays_eager(tin
     with pytest.raises(RuntimeError, match="C\\+\\+ compiler"):
         model.compile_layers()
     assert not model.compiled
+
+
+def test_models_compiled_in_one_process_keep_graphs_of_their_own(tiny_model_dir):
+    """Dynamo caches graphs per code object: were it shared, every model would check the others' guards, and
+    past Dynamo's recompile limit a new model would run eagerly."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
+
+    models = [load_model(tiny_model_dir, quant="w8a8").model for _ in range(2)]
+    for model in models:
+        model.compile_layers()
+        prompt_logits(model, IDS)
+    for compiled in ([m.run_layers for m in models], [m.lm_head.forward for m in models]):
+        codes = [fn._torchdynamo_orig_callable.__code__ for fn in compiled]
+        assert codes[0] is not codes[1]
+        assert [len(graphs_of(code)) for code in codes] == [1, 1]  # one prefill each: its own graph only
