@@ -23,8 +23,7 @@ from pipeline.parallel.group import SINGLE, TPGroup
 def compiled_copy(fn: Callable, **options: Any) -> Callable:
     """`torch.compile(fn, **options)` on a copy of fn with a code object of its own (a bound method stays
     bound). Dynamo keeps compiled graphs per code object, so models compiled in one process would share one
-    cache: each call would check the guards of every other model's graphs, and once the cache holds
-    Dynamo's recompile limit (8 graphs) the next model would run eagerly."""
+    cache, and once it holds Dynamo's recompile limit (8 graphs) the next model would run eagerly."""
     func = getattr(fn, "__func__", fn)
     own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                              func.__closure__)

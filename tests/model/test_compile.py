@@ -51,8 +51,8 @@ def test_without_a_cpp_compiler_compiling_fails_clearly_and_auto_stays_eager(tin
 
 
 def test_models_compiled_in_one_process_keep_graphs_of_their_own(tiny_model_dir):
-    """Dynamo caches graphs per code object: were it shared, every model would check the others' guards, and
-    past Dynamo's recompile limit a new model would run eagerly."""
+    """Dynamo caches graphs per code object: were it shared by every model, past Dynamo's recompile limit a
+    new model would run eagerly."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
 
     models = [load_model(tiny_model_dir, quant="w8a8").model for _ in range(2)]
