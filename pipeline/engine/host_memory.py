@@ -4,7 +4,9 @@ glibc serves an allocation above its mmap threshold (which it adjusts by itself 
 from the kernel and gives them back on free. A CPU decode step allocates the LM head's [rows, vocab] outputs
 every step: at 256 rows, 50 MB of int32 sums (and as much again for the logits where a step needs them),
 each time ~12,000 page faults and zeroing by the kernel, ~15 ms of a ~160 ms step. Raising the mmap and trim
-thresholds keeps such buffers in the heap, where the next step finds them.
+thresholds keeps such buffers in the heap, where the next step finds them. glibc's aligned allocation (torch
+aligns its buffers) cannot take a freed chunk of exactly its own size, so the first few steps may still
+grow the heap until freed neighbours merge; from then on the steps reuse it.
 
 Set when a CPU runner is built, after the model is loaded, so that the loader's temporaries still go back
 to the system.
