@@ -51,7 +51,7 @@ def main() -> None:
         profile = HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory)
         base = load_model(path)
         choice = choose_quant(base.config, profile, "gguf" if str(path).endswith(".gguf") else "int4",
-                              hw.bf16_native, max(batches))
+                              hw.weight_only_kernels, max(batches))
         quant, rows, head = choice.scheme, choice.w8a8_rows, choice.lm_head
     settings = [(c, h) for c in args.compile.split(",") for h in (args.lm_head or head).split(",")]
     # one model per setting: compiling changes a model for good

@@ -168,7 +168,7 @@ def auto_options() -> dict:
 
     hw = probe()
     profile = HardwareProfile("cpu", hw.bandwidth, hw.flops, hw.memory)
-    choice = choose_quant(open_model_file(default_model_path()).config, profile, "gguf", hw.bf16_native, 64)
+    choice = choose_quant(open_model_file(default_model_path()).config, profile, "gguf", hw.weight_only_kernels, 64)
     print(f"# auto: {choice.reason}", file=sys.stderr)
     return {"quant": choice.scheme, "w8a8_rows": choice.w8a8_rows, "quant_lm_head": choice.lm_head}
 

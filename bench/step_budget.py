@@ -93,7 +93,7 @@ def main() -> None:
     path = args.model or default_model_path()
     base = load_model(path, torch.float32)
     profile = HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory)
-    auto = choose_quant(base.config, profile, "gguf", hw.bf16_native, args.batch)
+    auto = choose_quant(base.config, profile, "gguf", hw.weight_only_kernels, args.batch)
     loaded = load_mode(path, torch.float32, args.quant, auto, 16)
     prompts = (make_distinct_prompts(base.tokenizer, args.batch) if args.workload == "distinct"
                else make_shared_prompts(base.tokenizer, max(1, args.batch // 32), min(32, args.batch)))

@@ -264,7 +264,7 @@ def main() -> None:
     base = load_model(path, getattr(torch, dtype_name))
     profile = HardwareProfile("cpu", hw.bandwidth, {k: v for k, v in hw.flops.items()}, hw.memory)
     weight_only = "gguf" if str(path).endswith(".gguf") else "int4"
-    auto = choose_quant(base.config, profile, weight_only, hw.bf16_native,
+    auto = choose_quant(base.config, profile, weight_only, hw.weight_only_kernels,
                         EngineConfig(max_batch_size=args.batch).batch_limit)
     print(f"auto -> {auto.scheme}, W8A8 from {auto.w8a8_rows} rows, LM head {auto.lm_head}: {auto.reason}")
     tok = base.tokenizer

@@ -38,6 +38,14 @@ def native_bf16() -> bool:
     return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
 
 
+def weight_only_kernels_fast() -> bool:
+    """Whether torch's weight-only CPU kernels (bfloat16 activations) run vectorized here: wherever oneDNN
+    supports bf16, which is any AVX-512 CPU, native bf16 or not (they convert bf16 in registers). On that
+    Xeon without AVX512-BF16, a layer's four int4 products at one row took 0.28 ms against 0.55 ms in
+    dense float32 and 6.8 ms dequantizing per call; on AVX2-only CPUs they lose to float32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_supports(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> bool:
     """Whether a torch CPU kernel takes this weight: int4 with mins, N a multiple of 16 and groups of
     32, 64, 128 or 256; or int8 with one scale per output channel."""

@@ -83,21 +83,24 @@ def _model_options(cfg: JobConfig, quant: QuantChoice | None = None) -> dict[str
     if quant is not None:
         scheme, rows, head = quant.scheme, quant.w8a8_rows, quant.lm_head if head == "auto" else head
     elif head == "auto":
-        head = "bf16" if _bf16_native(cfg.engine.device) else "int8"
+        head = "bf16" if _fast_bf16(cfg.engine.device, "native_bf16") else "int8"
     kv_dtype = resolve_kv_dtype(cfg.model.kv_cache_dtype, scheme, cfg.model_dtype, cfg.engine.device)
     return {"dtype": getattr(torch, cfg.model_dtype), "device": cfg.engine.device, "quant": scheme,
             "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel,
             "w8a8_rows": rows, "quant_lm_head": head, "kv_dtype": getattr(torch, kv_dtype)}
 
 
-def _bf16_native(device: str) -> bool:
+def _fast_bf16(device: str, on_cpu: str) -> bool:
+    """Whether bfloat16 work is fast on the run's device: CUDA's bf16 support, or on CPU the `kernels.wq_cpu`
+    test named `on_cpu` (`native_bf16` for bf16 matmuls, `weight_only_kernels_fast` for the weight-only
+    kernels, which are fast on more CPUs than native bf16 is)."""
     import torch
 
     if device != "cpu" and torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    from kernels.wq_cpu import native_bf16
+    import kernels.wq_cpu
 
-    return native_bf16()
+    return getattr(kernels.wq_cpu, on_cpu)()
 
 
 def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile) -> QuantChoice:
@@ -108,8 +111,8 @@ def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile) -> Quant
     if cfg.engine.tensor_parallel > 1:
         raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
     weight_only = "gguf" if model_path.endswith(".gguf") else "int4"
-    choice = choose_quant(open_model_file(model_path).config, hw, weight_only, _bf16_native(cfg.engine.device),
-                          cfg.engine.batch_limit)
+    kernels_fast = _fast_bf16(cfg.engine.device, "weight_only_kernels_fast")
+    choice = choose_quant(open_model_file(model_path).config, hw, weight_only, kernels_fast, cfg.engine.batch_limit)
     log.info("model.quant=auto -> %s (W8A8 from %s rows, LM head %s): %s", choice.scheme, choice.w8a8_rows,
              choice.lm_head, choice.reason)
     return choice

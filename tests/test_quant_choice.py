@@ -21,18 +21,18 @@ def test_weight_only_at_batch_one_w8a8_once_bf16_compute_bound():
     # int8 weights (~1 byte per weight) stay bandwidth-bound up to batch 800e9 / (2 * 20e9) = 20; the
     # bf16 weight-only step (~0.6 bytes per weight) turns compute-bound and slower than that from
     # batch ~ 1 byte * 200e9 / (2 * 20e9) = 5.
-    choice = choose_quant(SMOLLM2, cpu(), "gguf", bf16_native=True, max_batch=64)
+    choice = choose_quant(SMOLLM2, cpu(), "gguf", weight_only_kernels=True, max_batch=64)
     assert choice.scheme == "gguf" and choice.w8a8_rows in (5, 6) and choice.lm_head == "int8"
     assert "W8A8 from" in choice.reason
 
 
-def test_emulated_bf16_means_w8a8_everywhere():
-    # Without native bf16 the weight-only linears dequantize to float32 every call: > 8 bytes per weight.
-    choice = choose_quant(SMOLLM2, cpu(), "int4", bf16_native=False, max_batch=64)
+def test_no_weight_only_kernels_means_w8a8_everywhere():
+    # Without fast weight-only kernels (AVX2-only CPUs) the weight-only linears dequantize to float32 every call: > 8 bytes per weight.
+    choice = choose_quant(SMOLLM2, cpu(), "int4", weight_only_kernels=False, max_batch=64)
     assert (choice.scheme, choice.w8a8_rows, choice.lm_head) == ("w8a8", 1, "int8")
 
 
 @pytest.mark.parametrize("int8", [None, 1e9])
 def test_no_or_slow_int8_keeps_weight_only(int8):
-    choice = choose_quant(SMOLLM2, cpu(int8), "gguf", bf16_native=True, max_batch=64)
+    choice = choose_quant(SMOLLM2, cpu(int8), "gguf", weight_only_kernels=True, max_batch=64)
     assert choice.scheme == "gguf" and choice.w8a8_rows is None

@@ -33,7 +33,13 @@ from torch import nn
 
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
 from kernels.dispatch import dequantize_sums, int_mm_w8a8_sums, packed_matmul, w8a8_matmul, wq_matmul
-from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_supports, native_bf16, pack_for_cpu
+from kernels.wq_cpu import (
+    CPU_ACTIVATION_DTYPE,
+    CpuPacked,
+    cpu_supports,
+    pack_for_cpu,
+    weight_only_kernels_fast,
+)
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
 from pipeline.model.calibration import measure_ranges
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
@@ -484,8 +490,9 @@ def load_quantized(
     enable W8A8 calls (`attach_w8a8`: always for w8a8, from `w8a8_rows` rows for the weight-only schemes).
 
     On CPU the weights are then converted for torch's weight-only kernels (bfloat16 activations, the fast
-    path there) when the model is bfloat16, or when W8A8 calls are on and the CPU has native bfloat16 (the
-    run chose speed over exactness); otherwise float32 keeps the exact layout and dequantizes per call.
+    path there) when the model is bfloat16, or when W8A8 calls are on and those kernels run vectorized here
+    (`weight_only_kernels_fast`; the run chose speed over exactness); otherwise float32 keeps the exact
+    layout and dequantizes per call.
     """
     quantize_model(model, scheme, group_size, weights_loaded=False)
     if scheme == "gguf":
@@ -497,6 +504,6 @@ def load_quantized(
     model.load_weights(tensors)
     check_loaded(model)
     attach_w8a8(model, scheme, w8a8_rows, lm_head, calibration)
-    fast = model.dtype == CPU_ACTIVATION_DTYPE or (w8a8_rows is not None and native_bf16())
+    fast = model.dtype == CPU_ACTIVATION_DTYPE or (w8a8_rows is not None and weight_only_kernels_fast())
     if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
         pack_model_for_cpu(model)

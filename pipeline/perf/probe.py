@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from kernels.wq_cpu import native_bf16
+from kernels.wq_cpu import native_bf16, weight_only_kernels_fast
 from pipeline.config import CONF_DIR
 from pipeline.errors import JobError
 from pipeline.perf.roofline import HardwareProfile
@@ -36,6 +36,7 @@ class ProbeResult:
     memory: float  # bytes of physical RAM
     threads: int
     bf16_native: bool = False  # AVX512-BF16 / AMX: bf16 matmuls are not emulated
+    weight_only_kernels: bool = False  # torch's bf16-activation weight-only kernels run vectorized (AVX-512)
 
 
 def cpu_flags() -> str:
@@ -105,6 +106,7 @@ def probe(bandwidth_mib: int = 256, matmul_n: int = 1024, reps: int = 5) -> Prob
         memory=physical_memory(),
         threads=torch.get_num_threads(),
         bf16_native=native_bf16(),
+        weight_only_kernels=weight_only_kernels_fast(),
     )
 
 

@@ -36,13 +36,13 @@ def dequantized_per_call(p: Precision) -> Precision:
 
 
 def choose_quant(
-    model: ModelConfig, hw: HardwareProfile, weight_only: str, bf16_native: bool, max_batch: int
+    model: ModelConfig, hw: HardwareProfile, weight_only: str, weight_only_kernels: bool, max_batch: int
 ) -> QuantChoice:
-    """Compare the weight-only scheme (bf16 kernels where bf16 is native, else dequantized to float32 per
-    call) with W8A8 (int8 weights, `hw`'s int8 peak) on the decode roofline for batches 1..`max_batch`."""
+    """Compare the weight-only scheme (torch's bf16-activation kernels where `weight_only_kernels` says they
+    run vectorized, at `hw`'s bf16 peak; else dequantized to float32 per call) with W8A8 (int8 weights, `hw`'s int8 peak) on the decode roofline for batches 1..`max_batch`."""
     lm_head = "int8"  # split outlier channels: as close to float32 as bf16, and faster (quant.column_copies)
     wo = precision(WEIGHT_ONLY_PRECISION[weight_only])
-    wo_compute = "bf16" if bf16_native and "bf16" in hw.flops else "fp32"
+    wo_compute = "bf16" if weight_only_kernels and "bf16" in hw.flops else "fp32"
     if wo_compute == "fp32":
         wo = dequantized_per_call(wo)
     if "int8" not in hw.flops:
