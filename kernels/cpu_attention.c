@@ -134,6 +134,53 @@ static inline vec vexp(vec x)
     return (vec)((ivec)(p * (vec)bits) & live);
 }
 
+#if defined(KV_I8) && VEC == 16 && defined(__AVX512BW__) && HEAD_DIM % 32 == 0 && BLOCK % 16 == 0
+/* Scores of int8 keys in integer arithmetic: each query is rounded to int16 with its own scale (2^-15 of
+ * its largest value: far below the keys' int8 rounding), each key widened to int16, and a key's dot product
+ * is HEAD_DIM / 32 multiply-add-pairs (vpdpwssd with VNNI) into 16 int32 partial sums. The partial sums of
+ * 16 keys are then added across lanes together (reduce16), not one key at a time: no int8 -> float32
+ * widening of the keys and no horizontal sum per key, the two costs of the float path. */
+#define INT_SCORES 1
+#define I16_CHUNKS (HEAD_DIM / 32)
+#ifdef __AVX512VNNI__
+#define DOT2(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DOT2(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+/* Lane t of the result: the sum of the 16 lanes of v[t], for 16 vectors at once (45 adds and shuffles for
+ * 16 sums instead of 16 horizontal sums). */
+static inline __m512i reduce16(const __m512i *v)
+{
+    __m512i x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: four vectors' sums over that lane */
+        y[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]),
+                                _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* 128-bit lanes added in pairs */
+        z[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0x88),
+                                _mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0xdd));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(z[0], z[1], 0x88), _mm512_shuffle_i32x4(z[0], z[1], 0xdd));
+}
+
+/* A query (HEAD_DIM floats, as I16_CHUNKS vectors) rounded to int16; returns its scale. */
+static inline float query_to_int16(__m512i *dst, const vec *x)
+{
+    vec top = splat(0.0f);
+    for (int c = 0; c < CHUNKS; c++) top = vmax(top, vmax(x[c], -x[c]));
+    const float s = hmax(top) / 32767.0f;
+    const vec inv = splat(s > 0.0f ? 1.0f / s : 0.0f);
+    for (int c = 0; c < I16_CHUNKS; c++) {
+        const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32((__m512)(x[2 * c] * inv)));
+        const __m256i hi = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32((__m512)(x[2 * c + 1] * inv)));
+        dst[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    return s;
+}
+#endif
+
 #ifdef KV_I8
 /* One vector of HEAD_DIM floats as int8 with its scale: s = max|x| / 127, q = round(x / s) (ties to even,
  * as torch.round), and s = 0 (q = 0) for a zero vector. */
@@ -177,6 +224,16 @@ void paged_write(const float *k, const float *v, int64_t k_stride, int64_t v_str
     }
 }
 
+/* Whether this build computes int8 keys' scores in integers (queries rounded to int16, see INT_SCORES). */
+int paged_integer_scores(void)
+{
+#ifdef INT_SCORES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. */
 void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const float *k_scale,
                   const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
@@ -197,6 +254,11 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                     qs[g][c] = load(qr + g * HEAD_DIM + c * VEC) * scale;
                 }
             }
+#ifdef INT_SCORES
+            __m512i q16[GROUP][I16_CHUNKS];
+            float q_scale[GROUP];
+            for (int g = 0; g < GROUP; g++) q_scale[g] = query_to_int16(q16[g], qs[g]);
+#endif
             const int64_t *table = tables + r * table_stride;
             const int64_t end = lens[r];
             for (int64_t start = first[r] - first[r] % BLOCK; start < end; start += BLOCK) {
@@ -215,6 +277,35 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                 }
 #endif
                 float s[GROUP][BLOCK];
+#ifdef INT_SCORES
+                /* every key of the block (int8 keys past `hi` are stale but finite), then the ones outside
+                 * lo .. hi - 1 are set to -inf */
+                __m512i part[GROUP][BLOCK];
+                for (int t = 0; t < BLOCK; t++) {
+                    if (next_k && t >= lo && t < hi)
+                        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 64) {
+                            __builtin_prefetch(next_k + i);
+                            __builtin_prefetch(v_pool + (next_k - k_pool) + i);
+                        }
+                    __m512i k[I16_CHUNKS];
+                    for (int c = 0; c < I16_CHUNKS; c++)
+                        k[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kb + t * HEAD_DIM + c * 32)));
+                    for (int g = 0; g < GROUP; g++) {
+                        __m512i dot = _mm512_setzero_si512();
+                        for (int c = 0; c < I16_CHUNKS; c++) dot = DOT2(dot, q16[g][c], k[c]);
+                        part[g][t] = dot;
+                    }
+                }
+                const float *k_scales = k_scale + (kb - k_pool) / HEAD_DIM;
+                for (int g = 0; g < GROUP; g++) {
+                    for (int t = 0; t < BLOCK; t += 16) {
+                        const vec sc = (vec)_mm512_cvtepi32_ps(reduce16(&part[g][t])) * load(k_scales + t) * q_scale[g];
+                        memcpy(&s[g][t], &sc, sizeof sc);
+                    }
+                    for (int t = 0; t < lo; t++) s[g][t] = -INFINITY;
+                    for (int t = hi; t < BLOCK; t++) s[g][t] = -INFINITY;
+                }
+#else
                 for (int g = 0; g < GROUP; g++)
                     for (int t = 0; t < BLOCK; t++) s[g][t] = -INFINITY;
                 for (int t = lo; t < hi; t++) {
@@ -235,6 +326,7 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                     for (int g = 0; g < GROUP; g++) s[g][t] *= ks;
 #endif
                 }
+#endif
                 for (int g = 0; g < GROUP; g++) {
                     vec top = load(s[g]);
                     for (int t = VEC; t < BLOCK; t += VEC) top = vmax(top, load(&s[g][t]));

@@ -62,6 +62,8 @@ class PagedDecodeKernel:
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
             ctypes.c_int64] * 3 + [ctypes.c_float]
+        # int8 pools: scores in integer arithmetic, the queries rounded to int16 (AVX-512 builds)
+        self.integer_scores = bool(library.paged_integer_scores())
         self._write = library.paged_write
         self._write.restype = None
         self._write.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [

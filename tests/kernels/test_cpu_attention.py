@@ -39,11 +39,20 @@ def stored(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype):
     return (kq, vq), {"k_scales": ks, "v_scales": vs}, (dequantize_kv(kq, ks), dequantize_kv(vq, vs))
 
 
+def queries_as_scored(kernel: cpu_attention.PagedDecodeKernel, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The queries the kernel's scores see: with integer scores (int8 pools, AVX-512 builds) each query times
+    `scale` is rounded to int16 with its own scale, 2^-15 of its largest value; else q itself."""
+    if not kernel.integer_scores:
+        return q
+    step = (q * scale).abs().amax(-1, keepdim=True) / 32767
+    return torch.round(q * scale / torch.where(step > 0, step, 1.0)) * step / scale
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16), (64, 3, 64)])
 def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
     """Narrower pools: the reference reads the vectors they stand for (bfloat16 widened, int8 times its
-    scale); all arithmetic is float32."""
+    scale) and the queries as the kernel scores them; all other arithmetic is float32."""
     kernel = kernel_or_skip(dim, group, block, kv_dtype)
     hkv, rows = 3, 9
     lens = torch.tensor([1, block - 1, block, block + 1, 3 * block, 5 * block + 7, 2, 40, 4 * block - 1])
@@ -53,7 +62,8 @@ def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
     tables = perm[: rows * width].view(rows, width).contiguous()
     q = torch.randn(rows, hkv * group, dim)
     out = kernel(q, *pools, tables, lens, torch.zeros_like(lens), dim**-0.5, **scales)
-    torch.testing.assert_close(out, paged_decode_reference(q, k, v, tables, lens, dim**-0.5), rtol=1e-5, atol=1e-5)
+    expect = paged_decode_reference(queries_as_scored(kernel, q, dim**-0.5), k, v, tables, lens, dim**-0.5)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -80,6 +90,38 @@ def test_reads_only_keys_from_first_to_len(kv_dtype):
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
+def test_int8_scores_only_keys_from_first_to_len():
+    """int8 pools (integer scores score whole blocks, then mask): keys before `first` and past `lens` are
+    large, so any that leaked into the softmax would take over the output."""
+    dim, group, block = 64, 3, 16
+    kernel = kernel_or_skip(dim, group, block, torch.int8)
+    lens = torch.tensor([20, 50, 37, 5])
+    first = torch.tensor([3, 33, 16, 0])
+    k, v, perm = scattered_pools(3, 32, block, dim, seed=1)
+    tables = perm[:16].view(4, 4).contiguous()
+    q = torch.randn(4, 3 * group, dim)
+    for row, (lo, hi) in enumerate(zip(first.tolist(), lens.tolist())):
+        for pos in [*range(0, lo), *range(hi, 4 * block)]:
+            blk, off = tables[row, pos // block], pos % block
+            k[:, blk, off] = 50 * q[row].view(3, group, dim).mean(1)  # scores far above the visible keys'
+            v[:, blk, off] = 100.0
+    pools, scales, (k, v) = stored(k, v, torch.int8)
+    out = kernel(q, *pools, tables, lens, first, 0.125, **scales)
+    scored = queries_as_scored(kernel, q, 0.125)
+    expect = torch.stack([
+        attention_part(scored[r : r + 1], gather_keys(k, tables[r], lo, hi), gather_keys(v, tables[r], lo, hi),
+                       0.125)[0][0]
+        for r, (lo, hi) in enumerate(zip(first.tolist(), lens.tolist()))])
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_scores_are_integer_where_avx512_builds():
+    """The integer score path is compiled in wherever the CPU has AVX-512 BW (and only for int8 pools)."""
+    flags = cpu_attention._cpu_identity().split()
+    assert kernel_or_skip(64, 3, 16, torch.int8).integer_scores == ("avx512bw" in flags)
+    assert not kernel_or_skip(64, 3, 16, torch.float32).integer_scores
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_large_score_spread_stays_exact(kv_dtype):
     """Scores far apart (the online softmax rescales often, exp underflows to 0) match the reference."""
@@ -94,7 +136,8 @@ def test_large_score_spread_stays_exact(kv_dtype):
     # Scores reach ~100 here, so float32's rounding of a score alone moves exp() by ~1e-5 relative: the
     # tolerance is that of the arithmetic (1e-5 failed for about 1 query in 60).
     torch.testing.assert_close(kernel(q, *pools, tables, lens, torch.zeros_like(lens), 0.125, **scales),
-                               paged_decode_reference(q, k, v, tables, lens, 0.125), rtol=1e-4, atol=1e-4)
+                               paged_decode_reference(queries_as_scored(kernel, q, 0.125), k, v, tables, lens, 0.125),
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
