@@ -9,7 +9,8 @@
  * with -DKV_BF16 (half the bytes to read; widened to float32 on load, all arithmetic in float32), or int8
  * with -DKV_I8 (a quarter: each key and value vector of HEAD_DIM is stored as round(x / s) with its own
  * scale s = max|x| / 127, kept in float32 scale pools [num_kv_heads, num_blocks, BLOCK]; the key's scale
- * multiplies its score and the value's its probability). q and out are float32
+ * multiplies its score and the value's its probability; on AVX-512 the scores are integer dot products
+ * with the queries rounded to int16, see INT_SCORES). q and out are float32
  * [rows, num_kv_heads * GROUP, HEAD_DIM]. HEAD_DIM, GROUP (query heads per KV head) and BLOCK
  * (tokens per block) are compile-time constants (-D flags) so that every loop has a fixed trip count; the
  * build is cached per combination (kernels/cpu_attention.py). Threads: OpenMP, the runtime torch already
@@ -234,7 +235,74 @@ int paged_integer_scores(void)
 #endif
 }
 
-/* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. */
+/* Blocks whose scores one softmax update covers: the running max, the rescale of the accumulators and the
+ * sum are a serial chain of horizontal reductions and an exp per update, so one per TILE blocks instead of
+ * one per block. */
+#define TILE 4
+
+/* Scores of keys lo .. hi - 1 of one block (kb: its keys; its key scales at scales for int8 pools) into
+ * s[g * TILE * BLOCK + t], -inf for the block's other keys; prefetches the next block (next_k, or NULL). */
+static inline void block_scores(float *s, const kv_t *kb, const float *scales, int lo, int hi,
+                                const kv_t *next_k, const kv_t *next_v,
+#ifdef INT_SCORES
+                                const __m512i q16[GROUP][I16_CHUNKS], const float *q_scale
+#else
+                                const vec qs[GROUP][CHUNKS]
+#endif
+)
+{
+    (void)scales;
+    /* The next block (blocks are scattered 4 KiB pieces, which the hardware prefetcher does not follow): a
+     * slice of it per key, so that its loads overlap this block's arithmetic. */
+    for (int t = lo; next_k && t < hi; t++)
+        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 64 / sizeof(kv_t)) {
+            __builtin_prefetch(next_k + i);
+            __builtin_prefetch(next_v + i);
+        }
+#ifdef INT_SCORES
+    /* every key of the block (int8 keys past `hi` are stale but finite), then the ones outside lo .. hi - 1
+     * are set to -inf */
+    __m512i part[GROUP][BLOCK];
+    for (int t = 0; t < BLOCK; t++) {
+        __m512i k[I16_CHUNKS];
+        for (int c = 0; c < I16_CHUNKS; c++)
+            k[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kb + t * HEAD_DIM + c * 32)));
+        for (int g = 0; g < GROUP; g++) {
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < I16_CHUNKS; c++) dot = DOT2(dot, q16[g][c], k[c]);
+            part[g][t] = dot;
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        float *sg = s + g * TILE * BLOCK;
+        for (int t = 0; t < BLOCK; t += 16) {
+            const vec sc = (vec)_mm512_cvtepi32_ps(reduce16(&part[g][t])) * load(scales + t) * q_scale[g];
+            memcpy(sg + t, &sc, sizeof sc);
+        }
+        for (int t = 0; t < lo; t++) sg[t] = -INFINITY;
+        for (int t = hi; t < BLOCK; t++) sg[t] = -INFINITY;
+    }
+#else
+    for (int g = 0; g < GROUP; g++)
+        for (int t = 0; t < BLOCK; t++) s[g * TILE * BLOCK + t] = -INFINITY;
+    for (int t = lo; t < hi; t++) {
+        vec k[CHUNKS];
+        for (int c = 0; c < CHUNKS; c++) k[c] = load_kv(kb + t * HEAD_DIM + c * VEC);
+        for (int g = 0; g < GROUP; g++) {
+            vec dot = qs[g][0] * k[0];
+            for (int c = 1; c < CHUNKS; c++) dot += qs[g][c] * k[c];
+#ifdef KV_I8
+            s[g * TILE * BLOCK + t] = hsum(dot) * scales[t];
+#else
+            s[g * TILE * BLOCK + t] = hsum(dot);
+#endif
+        }
+    }
+#endif
+}
+
+/* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. Each
+ * (row, KV head) task walks its blocks TILE at a time: scores, one online-softmax update, then p v. */
 void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const float *k_scale,
                   const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
                   const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
@@ -261,79 +329,43 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
 #endif
             const int64_t *table = tables + r * table_stride;
             const int64_t end = lens[r];
-            for (int64_t start = first[r] - first[r] % BLOCK; start < end; start += BLOCK) {
-                const kv_t *kb = k_pool + (h * num_blocks + table[start / BLOCK]) * BLOCK * HEAD_DIM;
-                const kv_t *vb = v_pool + (kb - k_pool);
-                const int lo = start > first[r] ? 0 : (int)(first[r] - start);
-                const int hi = end - start < BLOCK ? (int)(end - start) : BLOCK;
-                /* The next block (blocks are scattered 4 KiB pieces, which the hardware prefetcher does
-                 * not follow): a slice of it per key, so that its loads overlap this block's arithmetic. */
-                const kv_t *next_k = start + BLOCK < end
-                    ? k_pool + (h * num_blocks + table[start / BLOCK + 1]) * BLOCK * HEAD_DIM : NULL;
+            const kv_t *const k_head = k_pool + h * num_blocks * BLOCK * HEAD_DIM;
+            const int64_t v_off = v_pool - k_pool;
+            for (int64_t tile = first[r] - first[r] % BLOCK; tile < end; tile += TILE * BLOCK) {
+                const int n = (int)((end - tile + BLOCK - 1) / BLOCK < TILE ? (end - tile + BLOCK - 1) / BLOCK : TILE);
+                float s[GROUP][TILE * BLOCK];
+                const kv_t *kb[TILE];
+                int lo[TILE], hi[TILE];
+                for (int b = 0; b < n; b++) {
+                    const int64_t start = tile + b * BLOCK;
+                    kb[b] = k_head + table[start / BLOCK] * BLOCK * HEAD_DIM;
+                    lo[b] = start > first[r] ? 0 : (int)(first[r] - start);
+                    hi[b] = end - start < BLOCK ? (int)(end - start) : BLOCK;
+                    const kv_t *next_k = start + BLOCK < end ? k_head + table[start / BLOCK + 1] * BLOCK * HEAD_DIM : NULL;
 #ifdef KV_I8
-                if (next_k) { /* the next block's BLOCK scales: one cache line each for keys and values */
-                    __builtin_prefetch(k_scale + (next_k - k_pool) / HEAD_DIM);
-                    __builtin_prefetch(v_scale + (next_k - k_pool) / HEAD_DIM);
-                }
-#endif
-                float s[GROUP][BLOCK];
-#ifdef INT_SCORES
-                /* every key of the block (int8 keys past `hi` are stale but finite), then the ones outside
-                 * lo .. hi - 1 are set to -inf */
-                __m512i part[GROUP][BLOCK];
-                for (int t = 0; t < BLOCK; t++) {
-                    if (next_k && t >= lo && t < hi)
-                        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 64) {
-                            __builtin_prefetch(next_k + i);
-                            __builtin_prefetch(v_pool + (next_k - k_pool) + i);
-                        }
-                    __m512i k[I16_CHUNKS];
-                    for (int c = 0; c < I16_CHUNKS; c++)
-                        k[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kb + t * HEAD_DIM + c * 32)));
-                    for (int g = 0; g < GROUP; g++) {
-                        __m512i dot = _mm512_setzero_si512();
-                        for (int c = 0; c < I16_CHUNKS; c++) dot = DOT2(dot, q16[g][c], k[c]);
-                        part[g][t] = dot;
+                    if (next_k) { /* the next block's BLOCK scales: one cache line each for keys and values */
+                        __builtin_prefetch(k_scale + (next_k - k_pool) / HEAD_DIM);
+                        __builtin_prefetch(v_scale + (next_k - k_pool) / HEAD_DIM);
                     }
-                }
-                const float *k_scales = k_scale + (kb - k_pool) / HEAD_DIM;
-                for (int g = 0; g < GROUP; g++) {
-                    for (int t = 0; t < BLOCK; t += 16) {
-                        const vec sc = (vec)_mm512_cvtepi32_ps(reduce16(&part[g][t])) * load(k_scales + t) * q_scale[g];
-                        memcpy(&s[g][t], &sc, sizeof sc);
-                    }
-                    for (int t = 0; t < lo; t++) s[g][t] = -INFINITY;
-                    for (int t = hi; t < BLOCK; t++) s[g][t] = -INFINITY;
-                }
+                    const float *scales = k_scale + (kb[b] - k_pool) / HEAD_DIM;
 #else
-                for (int g = 0; g < GROUP; g++)
-                    for (int t = 0; t < BLOCK; t++) s[g][t] = -INFINITY;
-                for (int t = lo; t < hi; t++) {
-                    if (next_k)
-                        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 64 / sizeof(kv_t)) {
-                            __builtin_prefetch(next_k + i);
-                            __builtin_prefetch(v_pool + (next_k - k_pool) + i);
-                        }
-                    vec k[CHUNKS];
-                    for (int c = 0; c < CHUNKS; c++) k[c] = load_kv(kb + t * HEAD_DIM + c * VEC);
-                    for (int g = 0; g < GROUP; g++) {
-                        vec dot = qs[g][0] * k[0];
-                        for (int c = 1; c < CHUNKS; c++) dot += qs[g][c] * k[c];
-                        s[g][t] = hsum(dot);
-                    }
-#ifdef KV_I8
-                    const float ks = k_scale[(kb - k_pool) / HEAD_DIM + t];
-                    for (int g = 0; g < GROUP; g++) s[g][t] *= ks;
+                    const float *scales = NULL;
 #endif
+                    block_scores(&s[0][b * BLOCK], kb[b], scales, lo[b], hi[b], next_k, next_k ? next_k + v_off : NULL,
+#ifdef INT_SCORES
+                                 q16, q_scale
+#else
+                                 qs
+#endif
+                    );
                 }
-#endif
                 for (int g = 0; g < GROUP; g++) {
                     vec top = load(s[g]);
-                    for (int t = VEC; t < BLOCK; t += VEC) top = vmax(top, load(&s[g][t]));
+                    for (int t = VEC; t < n * BLOCK; t += VEC) top = vmax(top, load(&s[g][t]));
                     const float new_m = fmaxf(m[g], hmax(top));
                     const float rescale = vexp(splat(m[g] - new_m))[0];
                     vec sum = splat(0.0f);
-                    for (int t = 0; t < BLOCK; t += VEC) {
+                    for (int t = 0; t < n * BLOCK; t += VEC) {
                         const vec p = vexp(load(&s[g][t]) - new_m);
                         memcpy(&s[g][t], &p, sizeof p);
                         sum += p;
@@ -342,17 +374,23 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                     m[g] = new_m;
                     for (int c = 0; c < CHUNKS; c++) acc[g][c] *= rescale;
                 }
-                for (int t = lo; t < hi; t++) {
-                    vec v[CHUNKS];
-                    for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vb + t * HEAD_DIM + c * VEC);
+                for (int b = 0; b < n; b++) {
+                    const kv_t *vb = kb[b] + v_off;
 #ifdef KV_I8
-                    const float vs = v_scale[(vb - v_pool) / HEAD_DIM + t];
-#else
-                    const float vs = 1.0f;
+                    const float *vscales = v_scale + (vb - v_pool) / HEAD_DIM;
 #endif
-                    for (int g = 0; g < GROUP; g++) {
-                        const float p = s[g][t] * vs;
-                        for (int c = 0; c < CHUNKS; c++) acc[g][c] += p * v[c];
+                    for (int t = lo[b]; t < hi[b]; t++) {
+                        vec v[CHUNKS];
+                        for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vb + t * HEAD_DIM + c * VEC);
+#ifdef KV_I8
+                        const float vs = vscales[t];
+#else
+                        const float vs = 1.0f;
+#endif
+                        for (int g = 0; g < GROUP; g++) {
+                            const float p = s[g][b * BLOCK + t] * vs;
+                            for (int c = 0; c < CHUNKS; c++) acc[g][c] += p * v[c];
+                        }
                     }
                 }
             }
