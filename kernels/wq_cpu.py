@@ -30,10 +30,10 @@ class CpuPacked:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without it torch emulates bf16
-    and the weight-only CPU kernels lose to float32. oneDNN's own "bf16 supported" is not the test: it
-    holds on any AVX-512 CPU, where it emulates bf16 (an Intel Xeon with AVX-512 and VNNI but no
-    AVX512-BF16 ran bf16 `F.linear` at a fifth of float32's rate)."""
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without it bf16 matmuls are
+    emulated and lose to float32. oneDNN's own "bf16 supported" is not the test: it holds on any AVX-512
+    CPU, where it emulates bf16 (an Intel Xeon with AVX-512 and VNNI but no AVX512-BF16 ran bf16
+    `F.linear` at a fifth of float32's rate)."""
     cpu = torch.cpu
     return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
 

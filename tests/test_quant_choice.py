@@ -27,7 +27,8 @@ def test_weight_only_at_batch_one_w8a8_once_bf16_compute_bound():
 
 
 def test_no_weight_only_kernels_means_w8a8_everywhere():
-    # Without fast weight-only kernels (AVX2-only CPUs) the weight-only linears dequantize to float32 every call: > 8 bytes per weight.
+    # Without fast weight-only kernels (AVX2-only CPUs) the weight-only linears dequantize to float32 every
+    # call: > 8 bytes per weight.
     choice = choose_quant(SMOLLM2, cpu(), "int4", weight_only_kernels=False, max_batch=64)
     assert (choice.scheme, choice.w8a8_rows, choice.lm_head) == ("w8a8", 1, "int8")
 
