@@ -16,6 +16,7 @@ Exit codes (docs/checkpoints.md, "Exit codes"):
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import threading
 import time
@@ -49,6 +50,11 @@ class GracefulStop:
         self._critical = 0
         self._pending = False
         self._previous: dict[int, object] = {}
+        # The stop notice is logged by a thread of its own: a signal handler runs in the main thread between
+        # any two bytecodes, also inside a log handler's write, and logging there again fails ("reentrant
+        # call inside BufferedWriter"). SimpleQueue.put is safe to call from a signal handler.
+        self._notices: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._notifier: threading.Thread | None = None
 
     @property
     def stopping(self) -> bool:
@@ -60,6 +66,13 @@ class GracefulStop:
         if not self._event.is_set():
             self.reason = reason
             self._event.set()
+            if self._notifier is None:  # outside the `with` block no handler is installed: log here
+                log.warning("stopping: %s", reason)
+            else:
+                self._notices.put(reason)
+
+    def _log_notices(self) -> None:
+        while (reason := self._notices.get()) is not None:
             log.warning("stopping: %s", reason)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -93,6 +106,8 @@ class GracefulStop:
                 raise Interrupted("grace period spent during a commit")
 
     def __enter__(self) -> GracefulStop:
+        self._notifier = threading.Thread(target=self._log_notices, name="stop-notices", daemon=True)
+        self._notifier.start()
         for s in STOP_SIGNALS:
             self._previous[s] = signal.signal(s, self._on_signal)
         self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
@@ -103,3 +118,7 @@ class GracefulStop:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+        if self._notifier is not None:  # every notice logged before the job reports its exit
+            self._notices.put(None)
+            self._notifier.join(timeout=5)
+            self._notifier = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -64,3 +65,32 @@ def test_stop_requested_from_another_thread_does_not_arm_the_alarm() -> None:
 def test_grace_must_be_positive() -> None:
     with pytest.raises(ValueError, match="runtime.grace_s"):
         GracefulStop(grace_s=0)
+
+
+def test_a_signal_notice_is_logged_off_the_signal_handler() -> None:
+    """The handler may interrupt the main thread inside a log handler's write, where logging again raises
+    (a reentrant call on the same stream): its notice is logged by another thread, before the block exits."""
+    threads = []
+
+    class Where(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            threads.append((record.getMessage(), threading.current_thread()))
+
+    logger = logging.getLogger("pipeline.output.signals")
+    where = Where()
+    logger.addHandler(where)
+    try:
+        with GracefulStop(grace_s=30), pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the second interrupts at once
+    finally:
+        logger.removeHandler(where)
+    assert [m for m, _ in threads] == ["stopping: received SIGTERM; finishing committed work within 30s"]
+    assert threads[0][1] is not threading.main_thread()
+
+
+def test_a_stop_requested_outside_the_block_is_logged_at_once(caplog) -> None:
+    stop = GracefulStop(grace_s=1)
+    with caplog.at_level(logging.WARNING, logger="pipeline.output.signals"):
+        stop.request_stop("lease lost")
+    assert "stopping: lease lost" in caplog.text
