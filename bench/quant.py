@@ -44,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pipeline.model.loader import load_model  # noqa: E402
 from pipeline.model.quant import linear_weight_bytes  # noqa: E402
+from pipeline.perf.kernel_crossover import apply_measured_crossover  # noqa: E402
 
 TEXT_MODULES = ["argparse", "textwrap", "pathlib", "string", "statistics", "calendar", "difflib", "shutil",
                 "json", "dataclasses", "fractions", "configparser", "csv", "heapq", "bisect", "queue"]
@@ -57,6 +58,7 @@ LOGIT_TOKENS = 128  # held-out tokens whose logits are compared with the referen
 DEFAULT_FORMATS = ["none:float32", "int8@16:float32", "int4/32@16:float32", "gguf@16:float32", "w8a8:float32",
                    "w8a8+int8:float32", "w8a8+bf16:float32", "auto:float32", "none:bfloat16", "gguf:bfloat16"]
 SPEED_BATCHES = (1, 16, 64, 128)
+AUTO_MAX_BATCH = 64  # the batch size auto's choice is made for
 
 
 def docstrings(modules: list[str]) -> list[str]:
@@ -160,7 +162,8 @@ def parse_format(fmt: str) -> dict:
 
 
 def auto_options() -> dict:
-    """What model.quant=auto picks on this machine (probe, then the roofline choice)."""
+    """How model.quant=auto loads on this machine (probe, then the roofline choice); `run_format` then times
+    a weight-only choice's crossing on the model, as the job does (`auto_choice` keeps the choice for it)."""
     from pipeline.model.loader import default_model_path, open_model_file
     from pipeline.perf.probe import probe
     from pipeline.perf.quant_choice import choose_quant
@@ -168,19 +171,27 @@ def auto_options() -> dict:
 
     hw = probe()
     profile = HardwareProfile("cpu", hw.bandwidth, hw.flops, hw.memory)
-    choice = choose_quant(open_model_file(default_model_path()).config, profile, "gguf", hw.weight_only_kernels, 64)
+    choice = choose_quant(open_model_file(default_model_path()).config, profile, "gguf", hw.weight_only_kernels,
+                          AUTO_MAX_BATCH)
     print(f"# auto: {choice.reason}", file=sys.stderr)
-    return {"quant": choice.scheme, "w8a8_rows": choice.w8a8_rows, "quant_lm_head": choice.lm_head}
+    measure = choice.scheme != "w8a8"
+    return {"quant": choice.scheme, "w8a8_rows": choice.w8a8_rows or (1 if measure else None),
+            "quant_lm_head": choice.lm_head, "prefer_speed": True, "auto_choice": choice if measure else None}
 
 
 def run_format(fmt: str, data: dict) -> dict:
     """All measurements of one format (run in a fresh process so resident memory is its own)."""
     torch.set_num_threads(data["threads"])
     options = parse_format(fmt)
+    auto_choice = options.pop("auto_choice", None)
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     loaded = load_model(**options)
     model = loaded.model
+    if auto_choice is not None:
+        choice, crossover = apply_measured_crossover(auto_choice, model, AUTO_MAX_BATCH)
+        options["w8a8_rows"] = choice.w8a8_rows
+        print(f"# auto on this CPU: W8A8 from {choice.w8a8_rows} rows; {crossover.describe()}", file=sys.stderr)
     row = {"format": fmt, "options": {k: str(v) for k, v in options.items()}, "load_s": round(time.perf_counter() - t0, 1), "weight_bytes": loaded.weight_bytes,
            "linear_bytes": linear_weight_bytes(model), "rss_delta_bytes": rss_bytes() - rss0}
     prompts = torch.tensor(data["prompts"])

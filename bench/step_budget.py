@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -30,6 +29,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import StepBatch, kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
+from pipeline.perf.kernel_crossover import best_of
 from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile
@@ -67,16 +67,6 @@ def int8_gemms(model: torch.nn.Module, rows: int) -> tuple[Callable[[], None], f
     return run, sum(2.0 * rows * w.numel() for w in weights)
 
 
-def best_of(fn: Callable[[], None], reps: int) -> float:
-    """The fastest of `reps` calls, in seconds."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
@@ -94,7 +84,7 @@ def main() -> None:
     base = load_model(path, torch.float32)
     profile = HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory)
     auto = choose_quant(base.config, profile, "gguf", hw.weight_only_kernels, args.batch)
-    loaded = load_mode(path, torch.float32, args.quant, auto, 16)
+    loaded = load_mode(path, torch.float32, args.quant, auto, 16, args.batch)
     prompts = (make_distinct_prompts(base.tokenizer, args.batch) if args.workload == "distinct"
                else make_shared_prompts(base.tokenizer, max(1, args.batch // 32), min(32, args.batch)))
     engine = Engine(loaded, EngineConfig(kv_cache_memory=args.kv_cache_memory, max_batch_size=args.batch))

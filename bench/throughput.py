@@ -40,6 +40,7 @@ from pipeline.engine.host_memory import keep_step_buffers
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import default_model_path, load_model
+from pipeline.perf.kernel_crossover import apply_measured_crossover
 from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile, forward_bytes, forward_flops
@@ -102,16 +103,26 @@ def make_distinct_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
-def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int | None):
+def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int | None, max_batch: int):
     """The model as the job loads it for `mode` = `quant[/kv dtype]`: model.quant=quant (auto: the probe's
-    choice) and model.kv_cache_dtype=kv dtype (default auto, resolved as the job does)."""
+    choice, its crossing timed for batches up to `max_batch`) and model.kv_cache_dtype=kv dtype (default
+    auto, resolved as the job does)."""
     quant, _, kv = mode.partition("/")
     scheme = auto_choice.scheme if quant == "auto" else quant
     kv_dtype = getattr(torch, resolve_kv_dtype(kv or "auto", scheme, str(dtype).removeprefix("torch."), "cpu"))
     if quant == "none":
         return load_model(path, dtype, kv_dtype=kv_dtype)
-    return load_model(path, dtype, quant=scheme, w8a8_rows=auto_choice.w8a8_rows if quant == "auto" else w8a8_rows,
-                      quant_lm_head=auto_choice.lm_head, kv_dtype=kv_dtype)
+    if quant != "auto":
+        return load_model(path, dtype, quant=scheme, w8a8_rows=w8a8_rows, quant_lm_head=auto_choice.lm_head,
+                          kv_dtype=kv_dtype)
+    # as the job: a weight-only choice loads both layouts and times where W8A8 starts to win
+    measure = scheme != "w8a8"
+    loaded = load_model(path, dtype, quant=scheme, w8a8_rows=auto_choice.w8a8_rows or (1 if measure else None),
+                        quant_lm_head=auto_choice.lm_head, kv_dtype=kv_dtype, prefer_speed=True)
+    if measure:
+        measured, crossover = apply_measured_crossover(auto_choice, loaded.model, max_batch)
+        print(f"auto on this CPU: W8A8 from {measured.w8a8_rows} rows; {crossover.describe()}")
+    return loaded
 
 
 def run_engine(loaded, prompts: list[list[int]], args) -> dict:
@@ -264,8 +275,8 @@ def main() -> None:
     base = load_model(path, getattr(torch, dtype_name))
     profile = HardwareProfile("cpu", hw.bandwidth, {k: v for k, v in hw.flops.items()}, hw.memory)
     weight_only = "gguf" if str(path).endswith(".gguf") else "int4"
-    auto = choose_quant(base.config, profile, weight_only, hw.weight_only_kernels,
-                        EngineConfig(max_batch_size=args.batch).batch_limit)
+    max_batch = EngineConfig(max_batch_size=args.batch).batch_limit
+    auto = choose_quant(base.config, profile, weight_only, hw.weight_only_kernels, max_batch)
     print(f"auto -> {auto.scheme}, W8A8 from {auto.w8a8_rows} rows, LM head {auto.lm_head}: {auto.reason}")
     tok = base.tokenizer
     if args.workload == "distinct":
@@ -281,7 +292,8 @@ def main() -> None:
     for m in modes:
         if m.partition("+")[2] not in ("", "logits"):
             raise SystemExit(f"--modes: {m!r}: the only suffix is +logits")
-    models = {m: load_mode(path, getattr(torch, dtype_name), m.partition("+")[0], auto, args.w8a8_rows) for m in modes}
+    models = {m: load_mode(path, getattr(torch, dtype_name), m.partition("+")[0], auto, args.w8a8_rows, max_batch)
+              for m in modes}
     hf_source = base if dtype_name == best_dtype else load_model(path, getattr(torch, best_dtype))
     hf_best = None  # (attn, batch, model)
     for attn in args.hf_attn.split(","):

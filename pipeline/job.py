@@ -72,9 +72,10 @@ def _check_kv_budget(cfg: JobConfig, model_path: str) -> None:
                        f"this model ({block:,} bytes for engine.block_size={cfg.engine.block_size} tokens)")
 
 
-def _model_options(cfg: JobConfig, quant: QuantChoice | None = None) -> dict[str, Any]:
+def _model_options(cfg: JobConfig, quant: QuantChoice | None = None, measure: bool = False) -> dict[str, Any]:
     """How every rank loads the model (the job's rank 0, its workers, or torchrun's ranks); `quant` is
-    what model.quant=auto resolved to."""
+    what model.quant=auto resolved to; `measure`: its crossing will be timed on the model
+    (`_measures_crossover`), so the W8A8 layouts are loaded whatever the roofline's crossing."""
     import torch
 
     scheme, rows, head = cfg.model.quant, cfg.model.quant_w8a8_rows, cfg.model.quant_lm_head
@@ -82,12 +83,25 @@ def _model_options(cfg: JobConfig, quant: QuantChoice | None = None) -> dict[str
         raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
     if quant is not None:
         scheme, rows, head = quant.scheme, quant.w8a8_rows, quant.lm_head if head == "auto" else head
+        if measure and rows is None:
+            rows = 1  # provisional: `measured_choice` sets the crossing
     elif head == "auto":
         head = "bf16" if _fast_bf16(cfg.engine.device, "native_bf16") else "int8"
     kv_dtype = resolve_kv_dtype(cfg.model.kv_cache_dtype, scheme, cfg.model_dtype, cfg.engine.device)
     return {"dtype": getattr(torch, cfg.model_dtype), "device": cfg.engine.device, "quant": scheme,
             "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel,
-            "w8a8_rows": rows, "quant_lm_head": head, "kv_dtype": getattr(torch, kv_dtype)}
+            "w8a8_rows": rows, "quant_lm_head": head, "kv_dtype": getattr(torch, kv_dtype),
+            "prefer_speed": quant is not None}
+
+
+def _measures_crossover(cfg: JobConfig, quant: QuantChoice | None) -> bool:
+    """Whether auto's W8A8 crossing is timed on the loaded model (`pipeline.perf.kernel_crossover`): a
+    weight-only scheme on CPU, with the hardware probed (given figures are taken as they are)."""
+    import torch
+
+    on_cpu = cfg.engine.device == "cpu" or not torch.cuda.is_available()
+    return (quant is not None and quant.scheme != "w8a8" and on_cpu
+            and bool(cfg.resolved["hardware"].get("probe")))
 
 
 def _fast_bf16(device: str, on_cpu: str) -> bool:
@@ -288,13 +302,20 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
 
         hardware = hardware_profile(cfg.resolved["hardware"])
     quant = _choose_quant(cfg, model_path, hardware) if cfg.model.quant == "auto" else None
-    options = _model_options(cfg, quant)
+    measure = _measures_crossover(cfg, quant)
+    options = _model_options(cfg, quant, measure)
     kv_dtype = str(options["kv_dtype"]).removeprefix("torch.")
     try:
         sharded = resources.enter_context(open_model(model_path, **options))
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"cannot load model {model_path}: {e}") from None
     loaded = sharded.loaded
+    if measure:
+        from pipeline.perf.kernel_crossover import apply_measured_crossover
+
+        quant, crossover = apply_measured_crossover(quant, loaded.model, cfg.engine.batch_limit)
+        options["w8a8_rows"] = quant.w8a8_rows
+        log.info("model.quant=auto on this CPU: W8A8 from %s rows; %s", quant.w8a8_rows, crossover.describe())
     try:
         engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
                         _draft_model(cfg, model_path, loaded))

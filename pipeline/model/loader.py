@@ -116,6 +116,7 @@ def load_model(
     w8a8_rows: int | None = None,
     quant_lm_head: str = "int8",
     kv_dtype: torch.dtype | None = None,
+    prefer_speed: bool = False,
 ) -> LoadedModel:
     """Build the Llama model of `path` (default: SmolLM2) with its weights in `dtype` on `device`.
 
@@ -124,7 +125,8 @@ def load_model(
     `quant_group_size` is the int4 group; weight-only schemes run steps of >= `w8a8_rows` tokens in W8A8
     (None: never), and `quant_lm_head` (int8, bf16, none) is the LM head's kernel in those steps; W8A8
     layouts are calibrated on a fixed text at load (`pipeline.model.calibration`).
-    `kv_dtype` is the KV cache's dtype (None: `dtype`).
+    `kv_dtype` is the KV cache's dtype (None: `dtype`). `prefer_speed` (model.quant=auto): weight-only
+    linears take torch's packed CPU kernels where they are fast even when no call runs W8A8.
     """
     if quant not in QUANT_SCHEMES:
         raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_SCHEMES})")
@@ -140,7 +142,8 @@ def load_model(
     if quant == "none":
         model.load_weights(ckpt.tensors(dtype))
     else:
-        load_quantized(model, ckpt, quant, quant_group_size, w8a8_rows, quant_lm_head, calibration_ids(tokenizer))
+        load_quantized(model, ckpt, quant, quant_group_size, w8a8_rows, quant_lm_head, calibration_ids(tokenizer),
+                       prefer_speed)
     model.kv_dtype = kv_dtype or dtype
     model.eval()
     release_freed_memory()

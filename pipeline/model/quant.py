@@ -484,15 +484,15 @@ def gguf_quantized_tensors(ckpt) -> Iterator[tuple[str, torch.Tensor | Quantized
 
 def load_quantized(
     model: nn.Module, ckpt, scheme: str, group_size: int = 32, w8a8_rows: int | None = None, lm_head: str = "int8",
-    calibration: list[int] | None = None,
+    calibration: list[int] | None = None, prefer_speed: bool = False,
 ) -> None:
     """Swap the linears for `scheme` and load `ckpt` (a GGUFCheckpoint or HFCheckpoint) into them, then
     enable W8A8 calls (`attach_w8a8`: always for w8a8, from `w8a8_rows` rows for the weight-only schemes).
 
     On CPU the weights are then converted for torch's weight-only kernels (bfloat16 activations, the fast
-    path there) when the model is bfloat16, or when W8A8 calls are on and those kernels run vectorized here
-    (`weight_only_kernels_fast`; the run chose speed over exactness); otherwise float32 keeps the exact
-    layout and dequantizes per call.
+    path there) when the model is bfloat16, or where those kernels run vectorized here
+    (`weight_only_kernels_fast`) and the run chose speed over exactness: W8A8 calls are on, or
+    `prefer_speed` (model.quant=auto); otherwise float32 keeps the exact layout and dequantizes per call.
     """
     quantize_model(model, scheme, group_size, weights_loaded=False)
     if scheme == "gguf":
@@ -504,6 +504,6 @@ def load_quantized(
     model.load_weights(tensors)
     check_loaded(model)
     attach_w8a8(model, scheme, w8a8_rows, lm_head, calibration)
-    fast = model.dtype == CPU_ACTIVATION_DTYPE or (w8a8_rows is not None and weight_only_kernels_fast())
+    fast = model.dtype == CPU_ACTIVATION_DTYPE or ((w8a8_rows is not None or prefer_speed) and weight_only_kernels_fast())
     if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
         pack_model_for_cpu(model)

@@ -52,10 +52,11 @@ class ShardSpec:
     w8a8_rows: int | None = None
     quant_lm_head: str = "int8"
     kv_dtype: torch.dtype | None = None
+    prefer_speed: bool = False
 
     def load(self, group: TPGroup, device: str) -> LoadedModel:
         return load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size,
-                          self.w8a8_rows, self.quant_lm_head, self.kv_dtype)
+                          self.w8a8_rows, self.quant_lm_head, self.kv_dtype, self.prefer_speed)
 
     def build(self, group: TPGroup, device: str) -> RunnerWorker:
         return RunnerWorker(self.load(group, device).model, torch.device(device))
@@ -128,7 +129,7 @@ def open_model(
     """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
 
     `load` is how every rank loads it: `ShardSpec`'s fields (dtype, quant, quant_group_size, w8a8_rows,
-    quant_lm_head). device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model` and the
+    quant_lm_head, kv_dtype, prefer_speed). device "auto" means CUDA when available. tensor_parallel=1 is plain `load_model` and the
     plain runner. Otherwise the head counts are checked before any process starts; under `torchrun` (its RANK/WORLD_SIZE in the
     environment) the ranks it started are joined instead of spawning, and ranks > 0 serve steps here and
     then exit the process (SystemExit 0). Leaving the block normally stops the workers in order; an

@@ -319,6 +319,29 @@ def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
     assert_only_near_ties({0: decoded}, {0: row["token_ids"]}, epsilon=2**-5 + 1e-6)
 
 
+@pytest.mark.parametrize("int8_tflops", ["0.8", "0.05"])
+def test_auto_times_its_crossing_on_the_loaded_model(tmp_path, tiny_model_dir, int8_tflops, caplog):
+    """With the hardware probed (here: every figure given, so the probe has nothing left to measure), a
+    weight-only choice is timed against W8A8 on the loaded model, whatever the roofline's crossing (from a
+    few rows, or never with a slow int8 peak), and the job runs and records the measured crossing."""
+    write_shards(tmp_path / "in")
+    figures = [f for f in HARDWARE if not f.startswith(("hardware.probe", "hardware.peak_tflops.int8"))]
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", tmp_path / "out", "model.quant=auto",
+                          "hardware.probe=true", f"hardware.peak_tflops.int8={int8_tflops}", *figures),
+                      stdout=io.StringIO())
+    model = metrics["model"]
+    assert model["quant"] == model["quant_auto"]["scheme"] == "int4"
+    assert "; measured W8A8 " in model["quant_auto"]["reason"]
+    assert model["w8a8_rows"] == model["quant_auto"]["w8a8_rows"]
+    assert "model.quant=auto on this CPU: W8A8 from" in caplog.text
+    assert sum(model["kernel_steps"].values()) == metrics["steps"]
+    if model["w8a8_rows"] is None:
+        assert model["kernel_steps"] == {"int4": metrics["steps"]}
+    elif model["w8a8_rows"] == 1:
+        assert model["kernel_steps"] == {"w8a8": metrics["steps"]}
+
+
 def test_gguf_quant_needs_a_gguf_file(tmp_path, tiny_model_dir):
     write_shards(tmp_path / "in")
     with pytest.raises(JobError, match="gguf"):

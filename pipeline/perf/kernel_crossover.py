@@ -1,0 +1,146 @@
+"""`model.quant=auto` on CPU: from how many rows W8A8 beats the weight-only kernels, timed on the model itself.
+
+The roofline (`pipeline.perf.quant_choice`) places each batch size in its regime from the probe's peaks, but
+at small batches neither kernel runs near its roofline, and by how much each misses differs from CPU to CPU.
+On a Zen 5 the roofline put SmolLM2's crossing at 6 rows, while a 1-row step took 16.1 ms on the packed Q4_1
+kernels and 9.7 ms in W8A8. So where auto loaded both layouts, it times both on the loaded model and
+switches where they cross.
+
+What is timed: one decoder layer's four products (qkv, o, gate_up, down) and the LM head, as each kind of
+step runs them (weight-only steps: the packed bf16 kernels and the float LM head; W8A8 steps: `torch._int_mm`
+on the int8 layouts and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
+the head. The elementwise work around the products (activation quantization, casts) is left out: compiled
+layers fuse it into the loops both kinds of step have anyway.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from kernels.dispatch import packed_matmul, wq_matmul
+from kernels.w8a8_reference import quantize_rows
+from pipeline.model.quant import QuantLinear, QuantLMHead
+from pipeline.perf.quant_choice import QuantChoice
+
+# Row counts timed: 1, 2, 4 ... up to this. Larger batches are compute-bound, where the roofline's peaks
+# decide reliably (SmolLM2 on 2 cores: ~1.5 s for sizes up to 32, 5-6 s up to 64 with 5 rounds of 3).
+MAX_TIMED_ROWS = 32
+ROUNDS = 3  # alternating rounds per row count; each kernel's figure is the median of its rounds' best
+REPS = 2
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """The measured crossing: W8A8 from `w8a8_rows` rows (None: never, within the sizes timed), and the
+    estimated step seconds of each kind, by rows: {rows: (weight-only, w8a8)}."""
+
+    w8a8_rows: int | None
+    step_seconds: dict[int, tuple[float, float]]
+
+    def describe(self) -> str:
+        figures = ", ".join(f"{rows}: {wo * 1e3:.2f} vs {w8 * 1e3:.2f}" for rows, (wo, w8) in self.step_seconds.items())
+        where = "never" if self.w8a8_rows is None else f"from {self.w8a8_rows} rows"
+        return f"measured W8A8 {where} (products per step, ms, weight-only vs W8A8, by rows: {figures})"
+
+
+def crossing(step_seconds: dict[int, tuple[float, float]]) -> int | None:
+    """The smallest row count from which W8A8 is faster at every larger size timed too; None if it is not
+    faster at the largest."""
+    rows = None
+    for r in sorted(step_seconds, reverse=True):
+        weight_only, w8a8 = step_seconds[r]
+        if w8a8 >= weight_only:
+            break
+        rows = r
+    return rows
+
+
+def apply_measured_crossover(choice: QuantChoice, model: torch.nn.Module,
+                             max_batch: int) -> tuple[QuantChoice, Crossover]:
+    """Time auto's crossing on `model` (loaded with both layouts) up to min(max_batch, MAX_TIMED_ROWS) rows,
+    switch the model's kernel choice there, and return `choice` updated (its reason extended with the
+    figures) and the measurement. Where W8A8 does not win at the largest size timed, the roofline's crossing
+    stands if it lies beyond the sizes timed, else weight-only at every batch."""
+    crossover = measure_crossover(model, min(max_batch, MAX_TIMED_ROWS))
+    rows = crossover.w8a8_rows
+    if rows is None and choice.w8a8_rows is not None and choice.w8a8_rows > max(crossover.step_seconds):
+        rows = choice.w8a8_rows
+    model.kernel_choice.w8a8_rows = rows
+    return replace(choice, w8a8_rows=rows, reason=f"{choice.reason}; {crossover.describe()}"), crossover
+
+
+def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
+    """Time both kinds of step's products on `model` (quantized with both layouts, W8A8 attached) at 1, 2,
+    4 ... `max_rows` rows, alternating, and return where W8A8 starts to win."""
+    layer = model.layers[0]
+    linears = [m for m in layer.modules() if isinstance(m, QuantLinear)]
+    head = model.lm_head
+    if not linears or any(m.w8a8_weight is None for m in linears) or not isinstance(head, QuantLMHead):
+        raise ValueError("measure_crossover needs a weight-only quantized model with its W8A8 layouts attached")
+    sizes = [1 << i for i in range(max(1, max_rows).bit_length()) if 1 << i <= max_rows]
+    seconds: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for rows in sizes:
+            kinds = (_weight_only_step(model, linears, rows), _w8a8_step(model, linears, rows))
+            for kind in kinds:
+                kind()  # first calls allocate and warm the caches
+            best: list[list[float]] = [[], []]
+            for r in range(ROUNDS):
+                for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    best[k].append(best_of(kinds[k], REPS))
+            seconds[rows] = (statistics.median(best[0]), statistics.median(best[1]))
+    return Crossover(crossing(seconds), seconds)
+
+
+def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
+    """One weight-only step's products at `rows` rows: the layer's, num_layers times, and the float head."""
+    inputs = [torch.randn(rows, m.in_features) for m in linears]
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
+
+    def run() -> None:
+        for _ in range(model.config.num_layers):
+            for m, x in zip(linears, inputs):
+                packed = m.cpu_packed
+                if packed is not None:
+                    packed_matmul(x, packed)
+                else:
+                    wq_matmul(x, m.qweight, m.scales, m.mins, m.bits)
+        torch.nn.functional.linear(hidden, model.lm_head.weight)
+
+    return run
+
+
+def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
+    """One W8A8 step's products at `rows` rows: int8 x int8 for the layer, num_layers times, and the head."""
+    inputs = [quantize_rows(torch.randn(rows, m.in_features))[0] for m in linears]
+    head = model.lm_head
+    if head.mode == "int8":
+        head_input = quantize_rows(torch.randn(rows, head.fast_weight.shape[1]))[0]
+    else:
+        head_input = torch.randn(rows, head.fast_weight.shape[1], dtype=head.fast_weight.dtype)
+
+    def run() -> None:
+        for _ in range(model.config.num_layers):
+            for m, q in zip(linears, inputs):
+                torch._int_mm(q, m.w8a8_weight.t())
+        if head.mode == "int8":
+            torch._int_mm(head_input, head.fast_weight.t())
+        else:
+            torch.nn.functional.linear(head_input, head.fast_weight)
+
+    return run
+
+
+def best_of(fn: Callable[[], None], reps: int) -> float:
+    """The fastest of `reps` calls of fn, in seconds."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
