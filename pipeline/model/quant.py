@@ -455,6 +455,24 @@ def pack_model_for_cpu(model: nn.Module) -> int:
     return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, QuantLinear))
 
 
+def drop_weight_only_layouts(model: nn.Module) -> int:
+    """Make a weight-only model with W8A8 attached run W8A8 at every row count, as quant=w8a8 does, and free
+    its weight-only layouts, which no call reads after that; returns the bytes released."""
+    choice = model.kernel_choice
+    if choice is None or choice.w8a8_rows is None:
+        raise ValueError("drop_weight_only_layouts needs W8A8 attached (load with w8a8_rows set)")
+    choice.weight_only, choice.w8a8_rows = "", 1
+    freed = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            for name in ("qweight", "scales", "mins", "packed_weight", "packed_scales"):
+                buffer = getattr(m, name)
+                if buffer is not None and buffer is not m.w8a8_weight and buffer is not m.w8a8_scales:
+                    freed += buffer.numel() * buffer.element_size()
+                setattr(m, name, None)
+    return freed
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights of the model's linear layers (quantized or float), biases excluded."""
     total = 0

@@ -24,7 +24,7 @@ import torch
 
 from kernels.dispatch import packed_matmul, wq_matmul
 from kernels.w8a8_reference import quantize_rows
-from pipeline.model.quant import QuantLinear, QuantLMHead
+from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
 from pipeline.perf.quant_choice import QuantChoice
 
 # Row counts timed: 1, 2, 4 ... up to this. Larger batches are compute-bound, where the roofline's peaks
@@ -63,15 +63,20 @@ def crossing(step_seconds: dict[int, tuple[float, float]]) -> int | None:
 def apply_measured_crossover(choice: QuantChoice, model: torch.nn.Module,
                              max_batch: int) -> tuple[QuantChoice, Crossover]:
     """Time auto's crossing on `model` (loaded with both layouts) up to min(max_batch, MAX_TIMED_ROWS) rows,
-    switch the model's kernel choice there, and return `choice` updated (its reason extended with the
-    figures) and the measurement. Where W8A8 does not win at the largest size timed, the roofline's crossing
-    stands if it lies beyond the sizes timed, else weight-only at every batch."""
+    switch the model's kernel choice there (from 1 row: W8A8 throughout, the weight-only layouts freed),
+    and return `choice` updated (its reason extended with the figures) and the measurement. Where W8A8 does
+    not win at the largest size timed, the roofline's crossing stands if it lies beyond the sizes timed,
+    else weight-only at every batch."""
     crossover = measure_crossover(model, min(max_batch, MAX_TIMED_ROWS))
     rows = crossover.w8a8_rows
     if rows is None and choice.w8a8_rows is not None and choice.w8a8_rows > max(crossover.step_seconds):
         rows = choice.w8a8_rows
-    model.kernel_choice.w8a8_rows = rows
-    return replace(choice, w8a8_rows=rows, reason=f"{choice.reason}; {crossover.describe()}"), crossover
+    reason = f"{choice.reason}; {crossover.describe()}"
+    if rows == 1:  # every step W8A8: the weight-only layouts would only hold memory
+        reason += f"; weight-only layouts freed ({drop_weight_only_layouts(model) / 2**20:.0f} MiB)"
+    else:
+        model.kernel_choice.w8a8_rows = rows
+    return replace(choice, w8a8_rows=rows, reason=reason), crossover
 
 
 def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:

@@ -68,10 +68,27 @@ def test_apply_measured_crossover_keeps_a_roofline_crossing_beyond_the_sizes_tim
     chosen = apply_measured_crossover(within, model, 256)[0]
     assert chosen.w8a8_rows is None  # timed at 2, and it did not win there
     assert chosen.reason.startswith("roofline figures; measured W8A8 never")
+
+
+def test_w8a8_from_one_row_frees_the_weight_only_layouts(tiny_model_dir, monkeypatch):
+    """Measured faster from 1 row, every step is W8A8 (as quant=w8a8): the weight-only layouts are freed and
+    the model computes what it computed before, when its calls of 3 rows were W8A8 already."""
+    model = quantized(tiny_model_dir)
+    ids = torch.tensor([5, 9, 2])
+    with torch.inference_mode():
+        before = model.compute_logits(model(ids, torch.arange(3), WholeSequence(model.scale)))
+    bytes_before = sum(b.numel() * b.element_size() for b in model.buffers())
     early = {1: (2.0, 1.0), 2: (2.0, 1.0)}
     monkeypatch.setattr(kernel_crossover, "measure_crossover",
                         lambda m, rows: kernel_crossover.Crossover(crossing(early), early))
-    assert apply_measured_crossover(roofline, model, 256)[0].w8a8_rows == 1
+    chosen = apply_measured_crossover(QuantChoice("int4", 6, "int8", "roofline figures"), model, 256)[0]
+    assert chosen.w8a8_rows == 1 and "weight-only layouts freed" in chosen.reason
+    assert model.kernel_choice.weight_only == "" and model.kernel_choice.uses_w8a8(1)
+    linear = model.layers[0].mlp.down_proj
+    assert linear.packed_weight is None and linear.qweight is None and linear.w8a8_weight is not None
+    assert sum(b.numel() * b.element_size() for b in model.buffers()) < bytes_before
+    with torch.inference_mode():
+        assert torch.equal(model.compute_logits(model(ids, torch.arange(3), WholeSequence(model.scale))), before)
 
 
 def test_measurement_needs_both_layouts(tiny_model_dir):
