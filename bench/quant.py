@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pipeline.model.loader import load_model  # noqa: E402
 from pipeline.model.quant import linear_weight_bytes  # noqa: E402
-from pipeline.perf.kernel_crossover import apply_measured_crossover  # noqa: E402
+from pipeline.perf.kernel_crossover import apply_measured_crossover, rows_to_load  # noqa: E402
 
 TEXT_MODULES = ["argparse", "textwrap", "pathlib", "string", "statistics", "calendar", "difflib", "shutil",
                 "json", "dataclasses", "fractions", "configparser", "csv", "heapq", "bisect", "queue"]
@@ -175,7 +175,7 @@ def auto_options() -> dict:
                           AUTO_MAX_BATCH)
     print(f"# auto: {choice.reason}", file=sys.stderr)
     measure = choice.scheme != "w8a8"
-    return {"quant": choice.scheme, "w8a8_rows": choice.w8a8_rows or (1 if measure else None),
+    return {"quant": choice.scheme, "w8a8_rows": rows_to_load(choice, measure),
             "quant_lm_head": choice.lm_head, "prefer_speed": True, "auto_choice": choice if measure else None}
 
 

@@ -40,7 +40,7 @@ from pipeline.engine.host_memory import keep_step_buffers
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import default_model_path, load_model
-from pipeline.perf.kernel_crossover import apply_measured_crossover
+from pipeline.perf.kernel_crossover import apply_measured_crossover, rows_to_load
 from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile, forward_bytes, forward_flops
@@ -117,7 +117,7 @@ def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int |
                           kv_dtype=kv_dtype)
     # as the job: a weight-only choice loads both layouts and times where W8A8 starts to win
     measure = scheme != "w8a8"
-    loaded = load_model(path, dtype, quant=scheme, w8a8_rows=auto_choice.w8a8_rows or (1 if measure else None),
+    loaded = load_model(path, dtype, quant=scheme, w8a8_rows=rows_to_load(auto_choice, measure),
                         quant_lm_head=auto_choice.lm_head, kv_dtype=kv_dtype, prefer_speed=True)
     if measure:
         measured, crossover = apply_measured_crossover(auto_choice, loaded.model, max_batch)

@@ -82,9 +82,9 @@ def _model_options(cfg: JobConfig, quant: QuantChoice | None = None, measure: bo
     if scheme == "auto" and quant is None:
         raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
     if quant is not None:
-        scheme, rows, head = quant.scheme, quant.w8a8_rows, quant.lm_head if head == "auto" else head
-        if measure and rows is None:
-            rows = 1  # provisional: `apply_measured_crossover` sets the crossing
+        from pipeline.perf.kernel_crossover import rows_to_load
+
+        scheme, rows, head = quant.scheme, rows_to_load(quant, measure), quant.lm_head if head == "auto" else head
     elif head == "auto":
         head = "bf16" if _fast_bf16(cfg.engine.device, "native_bf16") else "int8"
     kv_dtype = resolve_kv_dtype(cfg.model.kv_cache_dtype, scheme, cfg.model_dtype, cfg.engine.device)

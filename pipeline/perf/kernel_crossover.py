@@ -60,6 +60,12 @@ def crossing(step_seconds: dict[int, tuple[float, float]]) -> int | None:
     return rows
 
 
+def rows_to_load(choice: QuantChoice, timed: bool) -> int | None:
+    """The `w8a8_rows` auto loads its model with: the roofline's crossing; where the crossing will be timed,
+    W8A8 attached in any case (1 until `apply_measured_crossover` sets it): both layouts must be there."""
+    return (choice.w8a8_rows or 1) if timed else choice.w8a8_rows
+
+
 def apply_measured_crossover(choice: QuantChoice, model: torch.nn.Module,
                              max_batch: int) -> tuple[QuantChoice, Crossover]:
     """Time auto's crossing on `model` (loaded with both layouts) up to min(max_batch, MAX_TIMED_ROWS) rows,
