@@ -332,7 +332,8 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
             const kv_t *const k_head = k_pool + h * num_blocks * BLOCK * HEAD_DIM;
             const int64_t v_off = v_pool - k_pool;
             for (int64_t tile = first[r] - first[r] % BLOCK; tile < end; tile += TILE * BLOCK) {
-                const int n = (int)((end - tile + BLOCK - 1) / BLOCK < TILE ? (end - tile + BLOCK - 1) / BLOCK : TILE);
+                const int64_t blocks_left = (end - tile + BLOCK - 1) / BLOCK;
+                const int n = blocks_left < TILE ? (int)blocks_left : TILE;
                 float s[GROUP][TILE * BLOCK];
                 const kv_t *kb[TILE];
                 int lo[TILE], hi[TILE];

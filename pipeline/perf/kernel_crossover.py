@@ -111,14 +111,14 @@ def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
 def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
     """One weight-only step's products at `rows` rows: the layer's, num_layers times, and the float head."""
     inputs = [torch.randn(rows, m.in_features) for m in linears]
+    packed = [m.cpu_packed for m in linears]  # built once: the property makes a new one per read
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
 
     def run() -> None:
         for _ in range(model.config.num_layers):
-            for m, x in zip(linears, inputs):
-                packed = m.cpu_packed
-                if packed is not None:
-                    packed_matmul(x, packed)
+            for m, p, x in zip(linears, packed, inputs):
+                if p is not None:
+                    packed_matmul(x, p)
                 else:
                     wq_matmul(x, m.qweight, m.scales, m.mins, m.bits)
         torch.nn.functional.linear(hidden, model.lm_head.weight)
