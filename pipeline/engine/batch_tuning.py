@@ -5,14 +5,15 @@ from a bigger batch. What moves the best batch is what the roofline leaves out: 
 grow with the batch (Python, dispatch, compiled-graph guards), GEMM efficiency at small row counts, and
 attention and the LM head, which grow with it. Those differ by machine, model and quantization.
 
-How: for each candidate size, that many synthetic prompts are prefilled, then a few decode steps with all of
-them running are timed (their prompts share cached blocks from one size to the next, so most of the prefill
-is paid once). The sizes within `RECHECK` of the best are timed once more, in the opposite order, and keep
-their faster rate: one pass of a few steps each can land in a slower spell of the machine, enough to swap
-two sizes ~10% apart. The pick is the smallest candidate within `WITHIN` of the best rate: a smaller batch
-holds less KV cache and finishes its tail sooner. Measuring costs seconds (more in float32), so a short run (fewer
-than `SHORT_RUN_TOKENS` new tokens in all) takes `SHORT_RUN_BATCH` unmeasured. On CUDA nothing is timed:
-decode stays bandwidth bound well past the largest candidate, so the largest that fits is the pick.
+How: for each candidate size, that many synthetic prompts are prefilled (their prompts share cached blocks
+from one size to the next, so most of the prefill is paid once), then a few decode steps with all of them
+running are timed one by one, and the fastest step counts. The sizes within `RECHECK` of the best are timed
+once more, in the opposite order, and keep their faster rate: a slow spell of the machine can cover all of
+one pass's steps, enough to swap two sizes ~10% apart. The pick is the smallest candidate within `WITHIN`
+of the best rate: a smaller batch holds less KV cache and finishes its tail sooner. Measuring costs seconds
+(more in float32), so a short run (fewer than `SHORT_RUN_TOKENS` new tokens in all) takes `SHORT_RUN_BATCH`
+unmeasured. On CUDA nothing is timed: decode stays bandwidth bound well past the largest candidate, so the
+largest that fits is the pick.
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ def pick(rates: dict[int, float], within: float = WITHIN) -> int:
 
 
 def decode_rate(engine: Any, batch: int, prompt_tokens: int = PROMPT_TOKENS, steps: int = TIMED_STEPS) -> float:
-    """Generated tok/s of `engine`'s decode steps with `batch` synthetic sequences running, after their prefill
-    and `WARMUP_STEPS` untimed steps. The engine is left empty (its stats are the caller's to reset)."""
+    """Generated tok/s of `engine`'s fastest of `steps` decode steps with `batch` synthetic sequences running,
+    after their prefill and `WARMUP_STEPS` untimed steps. The fastest, not the mean: a slow spell of a shared
+    machine during some of a size's steps moves a mean by as much as the gap between two sizes (measured:
+    a 256-row step took 190-226 ms minutes apart), and the fastest step of a few is what the size can do.
+    The engine is left empty (its stats are the caller's to reset)."""
     vocab = engine.model_config.vocab_size
     # None may finish before the timed steps end, or those steps time a smaller batch. Prefill takes more
     # steps than batch x prompt / max_batched_tokens: the first sequences decode all along and take part of
@@ -87,10 +91,12 @@ def decode_rate(engine: Any, batch: int, prompt_tokens: int = PROMPT_TOKENS, ste
             engine.step()
         for _ in range(WARMUP_STEPS):
             engine.step()
-        start, generated = time.perf_counter(), engine.stats.decode_tokens
+        best = 0.0
         for _ in range(steps):
+            start, generated = time.perf_counter(), engine.stats.decode_tokens
             engine.step()
-        return (engine.stats.decode_tokens - generated) / (time.perf_counter() - start)
+            best = max(best, (engine.stats.decode_tokens - generated) / (time.perf_counter() - start))
+        return best
     finally:
         engine.abort_all()
 

@@ -2,9 +2,11 @@
 int8 GEMM peak (`torch._int_mm`, what W8A8 linears run) and whether bfloat16 is native.
 
 Bandwidth is a STREAM-style triad (a = b + s*c over arrays far larger than the caches, 3 arrays moved per
-pass), best of a few passes; a peak is the best of a few square matmuls. Both use torch's current thread
-count, as the engine does. Numbers are noisy on a shared machine: best-of-n reports what the hardware can
-do when it is not disturbed, which is what a ceiling means.
+pass), best of the passes of a quarter second; a peak is the best of a quarter second of square matmuls.
+Both use torch's current thread count, as the engine does. Numbers are noisy on a shared machine: the best
+reports what the hardware can do when it is not disturbed, which is what a ceiling means. A fixed few calls
+(an int8 matmul takes ~3 ms) can all land in one slow spell of a virtual machine; a quarter second of them
+rarely does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pipeline.perf.roofline import HardwareProfile
 
 HARDWARE_DIR = CONF_DIR / "hardware"
 MEASURED_PEAKS = ("fp32", "bf16", "int8")
+MIN_SECONDS = 0.25  # each figure is the best call of at least this long a stretch of calls
 
 
 @dataclass(frozen=True)
@@ -49,28 +52,30 @@ def cpu_flags() -> str:
     return " ".join(sorted({w for w in words if w in keep}))
 
 
-def best_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Best-of-`reps` wall time after one warm-up call: the least-disturbed run on a shared machine."""
+def best_seconds(fn: Callable[[], object], reps: int, min_seconds: float = 0.0) -> float:
+    """The fastest wall time of at least `reps` calls, and of as many more as `min_seconds` takes, after one
+    warm-up call: the least-disturbed run on a shared machine."""
     fn()  # warm up: page faults, kernel selection
-    best = float("inf")
-    for _ in range(reps):
+    best, calls, start = float("inf"), 0, time.perf_counter()
+    while calls < reps or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+        calls += 1
     return best
 
 
-def measure_bandwidth(mib: int = 256, reps: int = 5) -> float:
+def measure_bandwidth(mib: int = 256, reps: int = 5, min_seconds: float = MIN_SECONDS) -> float:
     """Triad bandwidth in bytes/s over three float32 arrays of `mib` MiB each (reads b, c; writes a)."""
     n = mib * 2**20 // 4
     a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
-    seconds = best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+    seconds = best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), reps, min_seconds)
     if not torch.all(a[:: n // 7] == 7.0):  # the triad really ran
         raise RuntimeError("bandwidth probe computed a wrong triad")
     return 3 * n * 4 / seconds
 
 
-def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
+def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5, min_seconds: float = MIN_SECONDS) -> float:
     """Dense FLOP/s of an n x n x n `F.linear` in `dtype` (2 n^3 FLOPs): the call the model's layers make.
 
     On CPUs without native bf16 (AVX2-only), `torch.mm` in bf16 falls back to a path ~20x slower than
@@ -78,15 +83,15 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> flo
     """
     x = torch.randn(n, n).to(dtype)
     w = torch.randn(n, n).to(dtype)
-    seconds = best_seconds(lambda: F.linear(x, w), reps)
+    seconds = best_seconds(lambda: F.linear(x, w), reps, min_seconds)
     return 2 * n**3 / seconds
 
 
-def measure_int8_peak(n: int = 1024, reps: int = 5) -> float:
+def measure_int8_peak(n: int = 1024, reps: int = 5, min_seconds: float = MIN_SECONDS) -> float:
     """Integer OP/s of an n x n x n `torch._int_mm` (int8 x int8, int32 sums): the W8A8 linears' GEMM."""
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    seconds = best_seconds(lambda: torch._int_mm(a, b.t()), reps)
+    seconds = best_seconds(lambda: torch._int_mm(a, b.t()), reps, min_seconds)
     return 2 * n**3 / seconds
 
 
@@ -95,7 +100,7 @@ def physical_memory() -> float:
 
 
 def probe(bandwidth_mib: int = 256, matmul_n: int = 1024, reps: int = 5) -> ProbeResult:
-    """Run all measurements (about 1-3 s on a 2-core machine)."""
+    """Run all measurements (about 2-3 s on a 2-core machine)."""
     return ProbeResult(
         bandwidth=measure_bandwidth(bandwidth_mib, reps),
         flops={

@@ -3,6 +3,8 @@ jobs as a fixed size would."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pipeline.engine import batch_tuning
@@ -54,6 +56,28 @@ def test_decode_rate_times_the_whole_batch_when_decodes_slow_the_prefill(tiny):
     decode_rate(engine, 32, prompt_tokens=20, steps=3)
     assert len(generated) > 32 * 20 // 40 + batch_tuning.WARMUP_STEPS + 3  # the prefill did take longer
     assert generated[-3:] == [32, 32, 32]
+
+
+def test_decode_rate_is_the_rate_of_the_fastest_timed_step(tiny, monkeypatch):
+    """A slow spell during some of the timed steps does not lower a size's rate: each step is timed on its own
+    and the fastest counts (a scripted clock: every step takes a set number of seconds)."""
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="32MiB", max_batch_size=32, max_batched_tokens=1024))
+    now, seconds = [0.0], [4.0, 1.0, 3.0, 0.5, 2.0, 8.0, 1.5]
+    taken: list[float] = []
+    step = engine.step
+
+    def scripted_step():
+        results = step()
+        taken.append(seconds[len(taken) % len(seconds)])
+        now[0] += taken[-1]
+        return results
+
+    engine.step = scripted_step
+    monkeypatch.setattr(batch_tuning, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    rate = decode_rate(engine, 32, prompt_tokens=20, steps=3)
+    timed = taken[-3:]
+    assert rate == 32 / min(timed)
+    assert rate > 3 * 32 / sum(timed)  # the mean over the same steps would be lower
 
 
 def test_close_sizes_are_timed_again_in_the_opposite_order_and_keep_their_faster_rate(monkeypatch):
