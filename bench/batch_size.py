@@ -7,8 +7,8 @@
 The same measurement `engine.max_batch_size=auto` makes at the start of a job
 (`pipeline.engine.batch_tuning.decode_rate`): for each batch size B, B distinct `--prompt-len`-token prompts
 are prefilled, then `--steps` decode steps with all B sequences running are timed one by one, the fastest
-counting. Prints ms per step and generated tok/s, and the pick: the smallest B within `--within` of the best tok/s whose KV cache
-(B x (prompt + --max-tokens) positions) fits `--kv-cache-memory`.
+counting. Prints ms per step and generated tok/s, and the pick: the smallest B within `--within` of the
+best tok/s whose KV cache (B x (prompt + --max-tokens) positions) fits `--kv-cache-memory`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 int8 GEMM peak (`torch._int_mm`, what W8A8 linears run) and whether bfloat16 is native.
 
 Bandwidth is a STREAM-style triad (a = b + s*c over arrays far larger than the caches, 3 arrays moved per
-pass), best of the passes of a quarter second; a peak is the best of a quarter second of square matmuls.
+pass), the fastest of a quarter second of passes; a peak, the fastest of a quarter second of square matmuls.
 Both use torch's current thread count, as the engine does. Numbers are noisy on a shared machine: the best
 reports what the hardware can do when it is not disturbed, which is what a ceiling means. A fixed few calls
 (an int8 matmul takes ~3 ms) can all land in one slow spell of a virtual machine; a quarter second of them
