@@ -29,8 +29,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import StepBatch, kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
-from pipeline.perf.kernel_crossover import best_of
-from pipeline.perf.probe import cpu_flags, probe
+from pipeline.perf.probe import best_seconds, cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile
 
@@ -126,7 +125,7 @@ def main() -> None:
         fn()
     for r in range(args.rounds):  # alternating order: this machine's speed drifts within minutes
         for name in (list(measured) if r % 2 == 0 else list(measured)[::-1]):
-            rounds[name].append(best_of(measured[name], args.reps))
+            rounds[name].append(best_seconds(measured[name], args.reps, warmup=False))
     ms = {name: statistics.median(v) * 1e3 for name, v in rounds.items()}
     in_step = statistics.median(attention_seconds) * 1e3
 

@@ -16,7 +16,6 @@ layers fuse it into the loops both kinds of step have anyway.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -25,6 +24,7 @@ import torch
 from kernels.dispatch import packed_matmul, wq_matmul
 from kernels.w8a8_reference import quantize_rows
 from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
+from pipeline.perf.probe import best_seconds
 from pipeline.perf.quant_choice import QuantChoice
 
 # Row counts timed: 1, 2, 4 ... up to this. Larger batches are compute-bound, where the roofline's peaks
@@ -103,7 +103,7 @@ def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
             best: list[list[float]] = [[], []]
             for r in range(ROUNDS):
                 for k in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    best[k].append(best_of(kinds[k], REPS))
+                    best[k].append(best_seconds(kinds[k], REPS, warmup=False))
             seconds[rows] = (statistics.median(best[0]), statistics.median(best[1]))
     return Crossover(crossing(seconds), seconds)
 
@@ -145,13 +145,3 @@ def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) ->
             torch.nn.functional.linear(head_input, head.fast_weight)
 
     return run
-
-
-def best_of(fn: Callable[[], None], reps: int) -> float:
-    """The fastest of `reps` calls of fn, in seconds."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)

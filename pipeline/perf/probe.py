@@ -52,10 +52,11 @@ def cpu_flags() -> str:
     return " ".join(sorted({w for w in words if w in keep}))
 
 
-def best_seconds(fn: Callable[[], object], reps: int, min_seconds: float = 0.0) -> float:
+def best_seconds(fn: Callable[[], object], reps: int, min_seconds: float = 0.0, warmup: bool = True) -> float:
     """The fastest wall time of at least `reps` calls, and of as many more as `min_seconds` takes, after one
-    warm-up call: the least-disturbed run on a shared machine."""
-    fn()  # warm up: page faults, kernel selection
+    warm-up call (`warmup=False`: the caller warmed fn up): the least-disturbed run on a shared machine."""
+    if warmup:
+        fn()  # page faults, kernel selection
     best, calls, start = float("inf"), 0, time.perf_counter()
     while calls < reps or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
