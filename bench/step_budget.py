@@ -1,8 +1,9 @@
 """Where one decode step's time goes on this CPU, measured on a step captured from a real job.
 
 A greedy job's decode step is timed whole, and beside it, in alternating rounds:
-- its int8 GEMMs alone: `torch._int_mm` on the model's own W8A8 weights (body and LM head) at the step's rows,
-  the weights streaming from memory as in the step;
+- its int8 GEMMs alone: the model's own W8A8 weights (body and LM head), each on the GEMM the model chose
+  for it (`torch._int_mm` or oneDNN's packed GEMM), at the step's rows, the weights streaming from memory
+  as in the step;
 - its attention as the step runs it (every layer's pools, so the keys and values come from DRAM);
 - the same attention with every layer reading layer 0's pools (in cache: the kernel's arithmetic alone);
 - the bytes the step's attention reads, at the probe's streaming bandwidth (the memory floor for them).
@@ -29,6 +30,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import StepBatch, kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
+from pipeline.perf.int8_gemm import gemm_only, int8_parts
 from pipeline.perf.probe import best_seconds, cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile
@@ -50,20 +52,19 @@ def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepB
 
 
 def int8_gemms(model: torch.nn.Module, rows: int) -> tuple[Callable[[], None], float]:
-    """The step's W8A8 products on the model's own int8 weights, and their operations (2 per multiply-add)."""
-    weights = [m.w8a8_weight for m in model.modules() if getattr(m, "w8a8_weight", None) is not None]
-    head = getattr(model.lm_head, "fast_weight", None)
-    if head is not None and head.dtype == torch.int8:
-        weights.append(head)
-    if not weights:
+    """The step's W8A8 products on the model's own int8 weights, each on the GEMM the model chose for it
+    (`pipeline.perf.int8_gemm`), and their operations (2 per multiply-add)."""
+    modules = [m for part in int8_parts(model).values() for m in part]
+    if not modules:
         raise SystemExit("the model has no W8A8 weights: run with --quant auto (quantized) on a CPU with int8 peaks")
-    inputs = {w.shape[1]: torch.randint(-127, 128, (rows, w.shape[1]), dtype=torch.int8) for w in weights}
+    inputs = {m.in_features: torch.randint(-127, 128, (rows, m.in_features), dtype=torch.int8) for m in modules}
+    calls = [(inputs[m.in_features], m.int8_layout) for m in modules]
 
     def run() -> None:
-        for w in weights:
-            torch._int_mm(inputs[w.shape[1]], w.t())
+        for q, layout in calls:
+            gemm_only(q, layout)
 
-    return run, sum(2.0 * rows * w.numel() for w in weights)
+    return run, sum(2.0 * rows * m.in_features * layout[1].shape[0] for m, (_, layout) in zip(modules, calls))
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 
 Weight-only: on CPU, weights already converted for torch's kernels (`CpuPacked`, bfloat16 activations) run
 there; otherwise the weight is dequantized in float32 (bit-exact, the reference path) and multiplied densely.
-W8A8 (`kernels.w8a8_reference`): `torch._int_mm` on CPU (oneDNN's int8 GEMM, VNNI/AMX where present),
-the Triton int8 GEMM on CUDA.
+W8A8 (`kernels.w8a8_reference`): on CPU `torch._int_mm` (oneDNN's int8 GEMM, VNNI/AMX where present) or,
+where the model measured it faster, oneDNN's GEMM on a weight packed once (`kernels.int8_cpu`); the Triton
+int8 GEMM on CUDA.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.int8_cpu import packed_int8_products
 from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_matmul
 from kernels.wq_reference import dequantize
@@ -32,30 +34,31 @@ def packed_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     return cpu_matmul(x.to(CPU_ACTIVATION_DTYPE), packed).to(x.dtype)
 
 
-def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    """y = x W^T with int8 x int8 products (int32 sums); qweight int8 [N, K], wscale [N, 1]; y in x's dtype."""
+def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Tensor,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T with int8 x int8 products (int32 sums); qweight int8 [N, K] (or None on CPU with its oneDNN
+    handle `packed`), wscale [N, 1]; y in x's dtype."""
     if x.is_cuda:
         from kernels.w8a8_triton import w8a8_matmul_triton
 
         return w8a8_matmul_triton(x, qweight, wscale)
-    return int_mm_w8a8(x, qweight, wscale)
+    return int_mm_w8a8(x, qweight, wscale, packed)
 
 
-def int_mm_w8a8(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    """W8A8 through `torch._int_mm` (oneDNN on CPU; cuBLASLt on CUDA, which needs more than 16 rows)."""
-    acc, sx = int_mm_w8a8_sums(x.reshape(-1, x.shape[-1]), qweight)
-    y = dequantize_sums(acc, sx, wscale.reshape(1, -1))
-    return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+def int_mm_w8a8(x: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Tensor,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 through `torch._int_mm` (oneDNN on CPU; cuBLASLt on CUDA, which needs more than 16 rows), or on
+    CPU through the packed weight of handle `packed`: y = sums x weight scale x row scale."""
+    q, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+    y = int8_products(q, qweight, wscale, packed).mul_(sx)
+    return y.to(x.dtype).reshape(*x.shape[:-1], wscale.shape[0])
 
 
-def int_mm_w8a8_sums(x: torch.Tensor, qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float quantized per row, times qweight int8 [N, K]: the int32 sums [M, N] and the rows'
-    scales [M, 1]; y = sums * row scale * weight scale (`int_mm_w8a8`)."""
-    q, sx = quantize_rows(x)
-    return torch._int_mm(q, qweight.t()), sx
-
-
-def dequantize_sums(sums: torch.Tensor, row_scales: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tensor:
-    """float32 W8A8 outputs from int32 sums: sums x row scale x weight scale, in that order, so that every
-    caller (a whole output, or a few columns of it recomputed) rounds alike. One pass, the scales in place."""
-    return sums.float().mul_(row_scales).mul_(weight_scales)
+def int8_products(q: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Tensor,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """q int8 [M, K] times an int8 weight [N, K], as stored or packed for oneDNN (`packed`, its handle):
+    float32 [M, N], each int32 sum times its column's scale wscale [N, 1]. Both ways give the same bits
+    (the sums are exact), so a model may pack some weights and not others."""
+    if packed is not None:
+        return packed_int8_products(q, wscale.reshape(-1), packed)
+    return torch._int_mm(q, qweight.t()).float().mul_(wscale.reshape(1, -1))

@@ -33,8 +33,9 @@ class ContiguousKVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start = 0 if self.k[layer] is None else self.k[layer].shape[0]
-        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
-        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
+        # copies: a compiled caller may reuse the memory of what it passed once the call returns
+        self.k[layer] = k.clone() if self.k[layer] is None else torch.cat([self.k[layer], k])
+        self.v[layer] = v.clone() if self.v[layer] is None else torch.cat([self.v[layer], v])
         return causal_attention(q, self.k[layer], self.v[layer], start, self.scale, self.window)
 
 

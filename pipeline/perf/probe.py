@@ -12,6 +12,7 @@ rarely does.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,20 @@ def best_seconds(fn: Callable[[], object], reps: int, min_seconds: float = 0.0, 
         best = min(best, time.perf_counter() - t0)
         calls += 1
     return best
+
+
+def alternating_best(fns: Sequence[Callable[[], object]], rounds: int, reps: int) -> list[float]:
+    """Each fn's median over `rounds` rounds of its best of `reps` calls (`best_seconds`), the fns taking
+    turns in an order reversed every round, after one warm-up call each: a drift of the machine's speed
+    over the rounds weighs on all of them alike."""
+    for fn in fns:
+        fn()
+    best: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
+    for r in range(rounds):
+        for k in (order if r % 2 == 0 else order[::-1]):
+            best[k].append(best_seconds(fns[k], reps, warmup=False))
+    return [statistics.median(b) for b in best]
 
 
 def measure_bandwidth(mib: int = 256, reps: int = 5, min_seconds: float = MIN_SECONDS) -> float:

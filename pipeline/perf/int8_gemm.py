@@ -1,0 +1,98 @@
+"""W8A8 on CPU: `torch._int_mm` on the plain int8 weights, or oneDNN's GEMM on weights packed once
+(`kernels.int8_cpu`), whichever runs this model's products faster on this CPU, timed at load.
+
+Which wins depends on the CPU. For SmolLM2 at 256 rows, an AMX Xeon ran a step's layer products in 29 ms
+packed against 44 ms through `torch._int_mm`, and the LM head in 6.3 against 15.3 ms; an AVX-512 VNNI Xeon
+without AMX ran the layers slower packed (81 against 64 ms) but the head faster (17.6 against 22.9). So the
+layers and the head are timed and chosen apart. Both GEMMs give the same bits
+(`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
+
+What is timed: every W8A8 weight of the part once, at TIMED_ROWS rows of random int8 activations, as a step
+runs them (the layers' weights streaming from memory one after another, not one layer's in cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kernels.int8_cpu import pack_int8_weight, packed_int8_products, release_packed
+from pipeline.model.quant import QuantLinear, QuantLMHead
+from pipeline.perf.probe import alternating_best
+
+TIMED_ROWS = 128  # a compute-bound batch, where W8A8 runs
+ROUNDS = 3  # alternating rounds; each GEMM's figure is the median of its rounds' best
+REPS = 2
+PLAIN, PACKED = "torch._int_mm", "oneDNN packed"
+
+
+def int8_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """The modules whose W8A8 calls run an int8 GEMM on CPU, by part: "layers" (the decoder's linears) and
+    "lm_head" (an int8 head); a part with none is left out."""
+    parts: dict[str, list[nn.Module]] = {}
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.w8a8_scales is not None]
+    if linears:
+        parts["layers"] = linears
+    if isinstance(model.lm_head, QuantLMHead) and model.lm_head.mode == "int8":
+        parts["lm_head"] = [model.lm_head]
+    return parts
+
+
+def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]:
+    """Time both GEMMs on each part's own weights (`int8_parts`), keep the faster (packing the weights,
+    the plain int8 copies freed, where oneDNN's wins) and return {part: the GEMM chosen and its figures}."""
+    chosen = {}
+    with torch.inference_mode():
+        for part, modules in int8_parts(model).items():
+            if any(m.int8_layout[2] is not None for m in modules):
+                chosen[part] = PACKED
+                continue
+            handles: list[torch.Tensor] = []
+            try:
+                handles = [pack_int8_weight(m, m.int8_layout[0]) for m in modules]
+                plain, packed = _products(modules, rows, None), _products(modules, rows, handles)
+                packed()  # a failing oneDNN kernel shows here, before any timing
+            except RuntimeError as e:
+                for handle in handles:
+                    release_packed(handle)
+                chosen[part] = f"{PLAIN} (no packed oneDNN GEMM here: {str(e).splitlines()[0]})"
+                continue
+            plain_s, packed_s = alternating_best((plain, packed), ROUNDS, REPS)
+            figures = f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.2f} plain at {rows} rows"
+            if packed_s < plain_s:
+                for m, handle in zip(modules, handles):
+                    m.use_packed_int8(handle)
+                chosen[part] = f"{PACKED} ({figures})"
+            else:
+                for handle in handles:
+                    release_packed(handle)
+                chosen[part] = f"{PLAIN} ({figures})"
+    return chosen
+
+
+def gemm_only(q: torch.Tensor, layout: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]) -> None:
+    """The int8 GEMM a W8A8 call on `layout` (a module's `int8_layout`) runs, without the elementwise
+    work around it that compiled steps fuse into their own loops: `torch._int_mm`'s bare int32 sums, or
+    the packed GEMM (its column scales are applied inside the kernel)."""
+    weight, scales, handle = layout
+    if handle is not None:
+        packed_int8_products(q, scales.reshape(-1), handle)
+    else:
+        torch._int_mm(q, weight.t())
+
+
+def _products(modules: list[nn.Module], rows: int, handles: list[torch.Tensor] | None) -> Callable[[], None]:
+    """One pass of the modules' int8 GEMMs at `rows` rows: through `handles` (packed) or the plain weights."""
+    inputs = {m.in_features: torch.randint(-127, 128, (rows, m.in_features), dtype=torch.int8) for m in modules}
+    calls = []
+    for i, m in enumerate(modules):
+        weight, scales, _ = m.int8_layout
+        calls.append((inputs[m.in_features], (weight, scales, None if handles is None else handles[i])))
+
+    def run() -> None:
+        for q, layout in calls:
+            gemm_only(q, layout)
+
+    return run

@@ -1,0 +1,91 @@
+"""oneDNN's packed int8 GEMM (`kernels.int8_cpu`) against `torch._int_mm`'s int32 sums, bit for bit."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kernels import int8_cpu
+from kernels.dispatch import int8_products, w8a8_matmul
+from kernels.int8_cpu import pack_int8_weight, packed_bytes, packed_int8_products, release_packed
+from pipeline.model.llama import cpp_compiler
+
+SHAPES = [(0, 40, 96), (1, 40, 96), (3, 70, 160), (17, 33, 192), (64, 96, 576), (130, 576, 960)]
+
+
+class Owner:
+    """Stands in for the module a packed weight belongs to."""
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    return q, torch.rand(n, 1, generator=gen) / 100 + 1e-4
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_packed_products_are_the_int32_sums_times_the_column_scales_bit_for_bit(m, k, n):
+    qweight, scales = _weight(n, k, seed=m + n)
+    x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k))
+    owner = Owner()
+    handle = pack_int8_weight(owner, qweight)
+    sums = (x.long() @ qweight.long().T).float()  # exact: |sums| < 2^24 for these sizes
+    y = packed_int8_products(x, scales.reshape(-1), handle)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert torch.equal(y, sums * scales.reshape(1, -1))
+    assert torch.equal(int8_products(x, qweight, scales, handle), int8_products(x, qweight, scales))
+    assert packed_bytes(handle) == n * k
+
+
+def test_w8a8_matmul_on_the_packed_weight_equals_the_plain_one():
+    qweight, scales = _weight(160, 70, seed=1)
+    x = torch.randn(2, 5, 70, generator=torch.Generator().manual_seed(2))
+    owner = Owner()
+    packed = w8a8_matmul(x, None, scales, pack_int8_weight(owner, qweight))
+    assert packed.shape == (2, 5, 160)
+    assert torch.equal(packed, w8a8_matmul(x, qweight, scales))
+
+
+def test_compiled_calls_take_the_weight_by_handle_in_one_graph():
+    """Two weights of one shape through one compiled function: the handle is an input, so the second
+    weight reuses the graph, and each call multiplies by its own weight."""
+    if cpp_compiler() is None:
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    owner = Owner()
+    weights = [_weight(96, 64, seed=s) for s in (3, 4)]
+    handles = [pack_int8_weight(owner, q) for q, _ in weights]
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
+
+    def linear(x: torch.Tensor, scales: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        return w8a8_matmul(torch.relu(x), None, scales, handle) + 1.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, dynamic=True)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for (qweight, scales), handle in zip(weights, handles):
+        expected = w8a8_matmul(torch.relu(x), qweight, scales) + 1.0
+        torch.testing.assert_close(compiled(x, scales, handle), expected, rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_packed_weight_goes_with_its_owner_or_when_released():
+    owner, other = Owner(), Owner()
+    qweight, _ = _weight(8, 16, seed=6)
+    kept = pack_int8_weight(owner, qweight)
+    released = pack_int8_weight(other, qweight)
+    release_packed(released)
+    assert int(released) not in int8_cpu._packed and int(kept) in int8_cpu._packed
+    del owner
+    gc.collect()
+    assert int(kept) not in int8_cpu._packed
+    del other  # its finalizer finds the entry already gone
+    gc.collect()
+
+
+def test_packing_names_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match=r"int8 \[N, K\] weight, got torch.float32"):
+        pack_int8_weight(Owner(), torch.randn(4, 8))
