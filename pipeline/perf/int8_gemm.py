@@ -7,8 +7,9 @@ without AMX ran the layers slower packed (81 against 64 ms) but the head faster 
 layers and the head are timed and chosen apart. Both GEMMs give the same bits
 (`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
 
-What is timed: every W8A8 weight of the part once, at TIMED_ROWS rows of random int8 activations, as a step
-runs them (the layers' weights streaming from memory one after another, not one layer's in cache).
+What is timed: the part's W8A8 weights once each (of the layers, the first TIMED_LAYERS'), at TIMED_ROWS
+rows of random int8 activations, as a step runs them (the weights streaming one after another, not one
+layer's in cache).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.perf.probe import alternating_best
 
 TIMED_ROWS = 128  # a compute-bound batch, where W8A8 runs
+# Layers whose weights are timed: more than the caches near a core hold (SmolLM2's first 4: 14 MB of int8),
+# so they stream as in a step, and few enough that a large model's load holds two copies of little of it.
+TIMED_LAYERS = 4
 ROUNDS = 3  # alternating rounds; each GEMM's figure is the median of its rounds' best
 REPS = 2
 PLAIN, PACKED = "torch._int_mm", "oneDNN packed"
@@ -41,18 +45,20 @@ def int8_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
 
 
 def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]:
-    """Time both GEMMs on each part's own weights (`int8_parts`), keep the faster (packing the weights,
-    the plain int8 copies freed, where oneDNN's wins) and return {part: the GEMM chosen and its figures}."""
+    """Time both GEMMs on each part's own weights (`int8_parts`; of the layers, the first TIMED_LAYERS'),
+    keep the faster (packing the weights, the plain int8 copies freed, where oneDNN's wins) and return
+    {part: the GEMM chosen and its figures}."""
     chosen = {}
     with torch.inference_mode():
         for part, modules in int8_parts(model).items():
             if any(m.int8_layout[2] is not None for m in modules):
                 chosen[part] = PACKED
                 continue
+            timed = _timed(model, part, modules)
             handles: list[torch.Tensor] = []
             try:
-                handles = [pack_int8_weight(m, m.int8_layout[0]) for m in modules]
-                plain, packed = _products(modules, rows, None), _products(modules, rows, handles)
+                handles = [pack_int8_weight(m, m.int8_layout[0]) for m in timed]
+                plain, packed = _products(timed, rows, None), _products(timed, rows, handles)
                 packed()  # a failing oneDNN kernel shows here, before any timing
             except RuntimeError as e:
                 for handle in handles:
@@ -60,16 +66,28 @@ def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]
                 chosen[part] = f"{PLAIN} (no packed oneDNN GEMM here: {str(e).splitlines()[0]})"
                 continue
             plain_s, packed_s = alternating_best((plain, packed), ROUNDS, REPS)
-            figures = f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.2f} plain at {rows} rows"
+            figures = (f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.2f} plain for {len(timed)} of its "
+                       f"{len(modules)} weights at {rows} rows")
             if packed_s < plain_s:
-                for m, handle in zip(modules, handles):
+                for m, handle in zip(timed, handles):
                     m.use_packed_int8(handle)
+                for m in modules:
+                    if m.int8_layout[2] is None:
+                        m.use_packed_int8(pack_int8_weight(m, m.int8_layout[0]))
                 chosen[part] = f"{PACKED} ({figures})"
             else:
                 for handle in handles:
                     release_packed(handle)
                 chosen[part] = f"{PLAIN} ({figures})"
     return chosen
+
+
+def _timed(model: nn.Module, part: str, modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules of a part that are timed: of the layers, those of the first TIMED_LAYERS."""
+    if part != "layers":
+        return modules
+    first = {id(m) for layer in model.layers[:TIMED_LAYERS] for m in layer.modules()}
+    return [m for m in modules if id(m) in first]
 
 
 def gemm_only(q: torch.Tensor, layout: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]) -> None:

@@ -37,9 +37,12 @@ def test_each_part_keeps_the_faster_gemm_and_the_logits_stay_bit_for_bit(tiny_mo
     plain = _load(tiny_model_dir)
     assert all(m.int8_layout[2] is None for part in int8_parts(plain.model).values() for m in part)
     _scripted(monkeypatch, packed_faster)
+    monkeypatch.setattr(int8_gemm, "TIMED_LAYERS", 1)  # of the tiny model's 2: the other is packed untimed
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
     assert list(chosen) == ["layers", "lm_head"]
+    linears = len(int8_parts(loaded.model)["layers"])
+    assert f"for {linears // 2} of its {linears} weights" in chosen["layers"] and "for 1 of its 1" in chosen["lm_head"]
     for part, modules in int8_parts(loaded.model).items():
         assert chosen[part].startswith(PACKED if packed_faster[part] else PLAIN), chosen[part]
         for m in modules:
@@ -89,5 +92,6 @@ def test_the_measurement_times_both_gemms_on_the_models_own_weights(tiny_model_d
     chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
     assert set(chosen) == {"layers", "lm_head"}
     for text in chosen.values():
-        assert re.fullmatch(r"(oneDNN packed|torch\._int_mm) \([\d.]+ ms packed vs [\d.]+ plain at 128 rows\)"
+        assert re.fullmatch(r"(oneDNN packed|torch\._int_mm) \([\d.]+ ms packed vs [\d.]+ plain "
+                            r"for (\d+) of its (\d+) weights at 128 rows\)"
                             r"|torch\._int_mm \(no packed oneDNN GEMM here: .+\)", text), text
