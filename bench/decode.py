@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from pipeline.model.loader import LoadedModel, load_model  # noqa: E402
-from pipeline.perf.probe import best_seconds  # noqa: E402
+from pipeline.stopwatch import best_seconds  # noqa: E402
 from tests.reference import ContiguousKVCache, SequenceCaches  # noqa: E402  (the plain contiguous caches)
 
 

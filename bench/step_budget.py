@@ -29,11 +29,12 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import StepBatch, kv_bytes_per_block
+from pipeline.model.int8_gemm import gemm_only, int8_parts
 from pipeline.model.loader import default_model_path, load_model
-from pipeline.perf.int8_gemm import gemm_only, int8_parts
-from pipeline.perf.probe import best_seconds, cpu_flags, probe
+from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile
+from pipeline.stopwatch import best_seconds
 
 
 def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepBatch:
@@ -53,7 +54,7 @@ def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepB
 
 def int8_gemms(model: torch.nn.Module, rows: int) -> tuple[Callable[[], None], float]:
     """The step's W8A8 products on the model's own int8 weights, each on the GEMM the model chose for it
-    (`pipeline.perf.int8_gemm`), and their operations (2 per multiply-add)."""
+    (`pipeline.model.int8_gemm`), and their operations (2 per multiply-add)."""
     modules = [m for part in int8_parts(model).values() for m in part]
     if not modules:
         raise SystemExit("the model has no W8A8 weights: run with --quant auto (quantized) on a CPU with int8 peaks")

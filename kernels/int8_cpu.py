@@ -22,7 +22,8 @@ import torch
 
 from kernels.ops import define_op
 
-# handle -> (packed weight, zero points [N]); an entry lives as long as the module that packed it
+# handle -> (packed weight, zero points [N], int8 weight bytes); an entry lives as long as the module that
+# packed it
 _packed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 _handles = itertools.count()
 

@@ -59,7 +59,7 @@ class KernelChoice:
     weight_only: str  # the weight-only kernel's name, e.g. "gguf"; "" when every call is W8A8
     w8a8_rows: int | None  # calls with at least this many rows run W8A8; None: never
     steps: Counter = field(default_factory=Counter)
-    int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.perf.int8_gemm`)
+    int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.model.int8_gemm`)
 
     def uses_w8a8(self, rows: int) -> bool:
         """quant=w8a8 (no weight-only kernel) at any row count, even none; else from `w8a8_rows` rows."""

@@ -8,7 +8,7 @@ and switches where they cross.
 
 What is timed: one decoder layer's four products (qkv, o, gate_up, down) and the LM head, as each kind of
 step runs them (weight-only steps: the packed bf16 kernels and the float LM head; W8A8 steps: the int8
-GEMM each layout runs on, `pipeline.perf.int8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
+GEMM each layout runs on, `pipeline.model.int8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
 the head. The elementwise work around the products (activation quantization, casts) is left out: compiled
 layers fuse it into the loops both kinds of step have anyway.
 """
@@ -22,10 +22,10 @@ import torch
 
 from kernels.dispatch import packed_matmul, wq_matmul
 from kernels.w8a8_reference import quantize_rows
+from pipeline.model.int8_gemm import gemm_only
 from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
-from pipeline.perf.int8_gemm import gemm_only
-from pipeline.perf.probe import alternating_best
 from pipeline.perf.quant_choice import QuantChoice
+from pipeline.stopwatch import alternating_best
 
 # Row counts timed: 1, 2, 4 ... up to this. Larger batches are compute-bound, where the roofline's peaks
 # decide reliably (SmolLM2 on 2 cores: ~1.5 s for sizes up to 32, 5-6 s up to 64 with 5 rounds of 3).
@@ -123,7 +123,7 @@ def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: 
 
 def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
     """One W8A8 step's products at `rows` rows: int8 x int8 for the layer, num_layers times (the GEMM each
-    weight runs on: `pipeline.perf.int8_gemm`), and the head."""
+    weight runs on: `pipeline.model.int8_gemm`), and the head."""
     inputs = [quantize_rows(torch.randn(rows, m.in_features))[0] for m in linears]
     layouts = [m.int8_layout for m in linears]
     head = model.lm_head

@@ -12,8 +12,6 @@ rarely does.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from kernels.wq_cpu import native_bf16, weight_only_kernels_fast
 from pipeline.config import CONF_DIR
 from pipeline.errors import JobError
 from pipeline.perf.roofline import HardwareProfile
+from pipeline.stopwatch import best_seconds
 
 HARDWARE_DIR = CONF_DIR / "hardware"
 MEASURED_PEAKS = ("fp32", "bf16", "int8")
@@ -51,34 +50,6 @@ def cpu_flags() -> str:
         return "?"
     keep = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
     return " ".join(sorted({w for w in words if w in keep}))
-
-
-def best_seconds(fn: Callable[[], object], reps: int, min_seconds: float = 0.0, warmup: bool = True) -> float:
-    """The fastest wall time of at least `reps` calls, and of as many more as `min_seconds` takes, after one
-    warm-up call (`warmup=False`: the caller warmed fn up): the least-disturbed run on a shared machine."""
-    if warmup:
-        fn()  # page faults, kernel selection
-    best, calls, start = float("inf"), 0, time.perf_counter()
-    while calls < reps or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        calls += 1
-    return best
-
-
-def alternating_best(fns: Sequence[Callable[[], object]], rounds: int, reps: int) -> list[float]:
-    """Each fn's median over `rounds` rounds of its best of `reps` calls (`best_seconds`), the fns taking
-    turns in an order reversed every round, after one warm-up call each: a drift of the machine's speed
-    over the rounds weighs on all of them alike."""
-    for fn in fns:
-        fn()
-    best: list[list[float]] = [[] for _ in fns]
-    order = list(range(len(fns)))
-    for r in range(rounds):
-        for k in (order if r % 2 == 0 else order[::-1]):
-            best[k].append(best_seconds(fns[k], reps, warmup=False))
-    return [statistics.median(b) for b in best]
 
 
 def measure_bandwidth(mib: int = 256, reps: int = 5, min_seconds: float = MIN_SECONDS) -> float:

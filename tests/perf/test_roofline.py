@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +11,8 @@ import yaml
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.llama import LlamaModel
-from pipeline.perf import probe as probe_module
 from pipeline.perf.probe import (
     ProbeResult,
-    best_seconds,
     fill_hardware_config,
     measure_bandwidth,
     measure_int8_peak,
@@ -227,23 +224,6 @@ def test_probe_fills_only_missing_figures():
     assert hw.memory == pytest.approx(24e9)
     complete = {"name": "h", "bandwidth_tbs": 1, "memory_gb": 1, "peak_tflops": {"bf16": 1}}
     assert fill_hardware_config(complete, measure=lambda: pytest.fail("probed a complete profile")) == complete
-
-
-def test_best_seconds_times_calls_for_at_least_the_stretch_asked_and_keeps_the_fastest(monkeypatch):
-    """A scripted clock: each call takes the next of `durations` seconds. After the untimed warm-up call, calls
-    go on until both `reps` calls and `min_seconds` have passed, so a fast call late in the stretch counts."""
-    now, durations, made = [0.0], [9.0, 0.4, 0.5, 0.3, 0.6, 0.1, 0.2], []
-
-    def call() -> None:
-        made.append(durations[len(made)])
-        now[0] += made[-1]
-
-    monkeypatch.setattr(probe_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-    assert best_seconds(call, reps=2, min_seconds=1.85) == pytest.approx(0.1)  # 0.4 + 0.5 + 0.3 + 0.6 < 1.85: a 5th call, 0.1
-    assert made == durations[:6]
-    made.clear()
-    assert best_seconds(call, reps=2) == pytest.approx(0.4)  # no stretch: the warm-up and two calls
-    assert made == durations[:3]
 
 
 def test_probe_measures_plausible_figures():

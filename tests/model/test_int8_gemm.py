@@ -1,4 +1,4 @@
-"""The int8 GEMM chosen per part at load (`pipeline.perf.int8_gemm`): the choice follows the timings and
+"""The int8 GEMM chosen per part at load (`pipeline.model.int8_gemm`): the choice follows the timings and
 never changes a logit."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kernels import int8_cpu
+from pipeline.model import int8_gemm
+from pipeline.model.int8_gemm import PACKED, PLAIN, int8_parts
 from pipeline.model.llama import cpp_compiler
 from pipeline.model.loader import load_model
-from pipeline.perf import int8_gemm
-from pipeline.perf.int8_gemm import PACKED, PLAIN, int8_parts
 from tests.reference import greedy_decode, prompt_logits
 
 IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]

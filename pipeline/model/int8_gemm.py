@@ -21,7 +21,7 @@ from torch import nn
 
 from kernels.int8_cpu import pack_int8_weight, packed_int8_products, release_packed
 from pipeline.model.quant import QuantLinear, QuantLMHead
-from pipeline.perf.probe import alternating_best
+from pipeline.stopwatch import alternating_best
 
 TIMED_ROWS = 128  # a compute-bound batch, where W8A8 runs
 # Layers whose weights are timed: more than the caches near a core hold (SmolLM2's first 4: 14 MB of int8),
