@@ -29,7 +29,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import StepBatch, kv_bytes_per_block
-from pipeline.model.int8_gemm import gemm_only, int8_parts
+from pipeline.model.int8_gemm import gemm_pass, int8_parts
 from pipeline.model.loader import default_model_path, load_model
 from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
@@ -58,14 +58,9 @@ def int8_gemms(model: torch.nn.Module, rows: int) -> tuple[Callable[[], None], f
     modules = [m for part in int8_parts(model).values() for m in part]
     if not modules:
         raise SystemExit("the model has no W8A8 weights: run with --quant auto (quantized) on a CPU with int8 peaks")
-    inputs = {m.in_features: torch.randint(-127, 128, (rows, m.in_features), dtype=torch.int8) for m in modules}
-    calls = [(inputs[m.in_features], m.int8_layout) for m in modules]
-
-    def run() -> None:
-        for q, layout in calls:
-            gemm_only(q, layout)
-
-    return run, sum(2.0 * rows * m.in_features * layout[1].shape[0] for m, (_, layout) in zip(modules, calls))
+    layouts = [m.int8_layout for m in modules]
+    ops = sum(2.0 * rows * m.in_features * scales.shape[0] for m, (_, scales, _) in zip(modules, layouts))
+    return gemm_pass(modules, rows, layouts), ops
 
 
 def main() -> None:

@@ -58,7 +58,8 @@ def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]
             handles: list[torch.Tensor] = []
             try:
                 handles = [pack_int8_weight(m, m.int8_layout[0]) for m in timed]
-                plain, packed = _products(timed, rows, None), _products(timed, rows, handles)
+                plain = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], None) for m in timed])
+                packed = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
                 packed()  # a failing oneDNN kernel shows here, before any timing
             except RuntimeError as e:
                 for handle in handles:
@@ -101,13 +102,12 @@ def gemm_only(q: torch.Tensor, layout: tuple[torch.Tensor | None, torch.Tensor, 
         torch._int_mm(q, weight.t())
 
 
-def _products(modules: list[nn.Module], rows: int, handles: list[torch.Tensor] | None) -> Callable[[], None]:
-    """One pass of the modules' int8 GEMMs at `rows` rows: through `handles` (packed) or the plain weights."""
+def gemm_pass(modules: list[nn.Module], rows: int,
+              layouts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]]) -> Callable[[], None]:
+    """One pass of the modules' int8 GEMMs (`gemm_only`) at `rows` rows of random int8 activations, module
+    i on layouts[i] (its `int8_layout`, or the plain or packed one to be timed)."""
     inputs = {m.in_features: torch.randint(-127, 128, (rows, m.in_features), dtype=torch.int8) for m in modules}
-    calls = []
-    for i, m in enumerate(modules):
-        weight, scales, _ = m.int8_layout
-        calls.append((inputs[m.in_features], (weight, scales, None if handles is None else handles[i])))
+    calls = [(inputs[m.in_features], layout) for m, layout in zip(modules, layouts, strict=True)]
 
     def run() -> None:
         for q, layout in calls:
