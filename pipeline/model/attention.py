@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from kernels.ops import define_op
+
 
 class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -37,18 +39,19 @@ def bound_backend(backend: AttentionBackend) -> Iterator[None]:
         _bound.pop()
 
 
-@torch.library.custom_op("pipeline::attend", mutates_args=())
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
-    """The bound backend's attention for layer `layer` (a 0-d int64 tensor): q [T, Hq, D] -> [T, Hq, D],
-    contiguous (the layout compiled callers are built for)."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     if not _bound:
         raise RuntimeError("attention called outside a forward pass: no backend is bound (bound_backend)")
     return _bound[-1].attend(int(layer), q, k, v).contiguous()
 
 
-@attend.register_fake
 def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+# The bound backend's attention for layer `layer` (a 0-d int64 tensor): q [T, Hq, D] -> [T, Hq, D], contiguous
+# (the layout compiled callers are built for), a new tensor.
+attend = define_op("attend", "(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor", _attend, _attend_shape)
 
 
 def causal_attention(
