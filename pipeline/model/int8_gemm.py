@@ -9,7 +9,9 @@ layers and the head are timed and chosen apart. Both GEMMs give the same bits
 
 What is timed: the part's W8A8 weights once each (of the layers, the first TIMED_LAYERS'), at TIMED_ROWS
 rows of random int8 activations, as a step runs them (the weights streaming one after another, not one
-layer's in cache).
+layer's in cache). Before that, one call each on a slice of one weight screens out a packed GEMM that runs
+on oneDNN's reference kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed the weight but multiplied it
+with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it took 9 minutes of the load.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from kernels.int8_cpu import pack_int8_weight, packed_int8_products, release_packed
 from pipeline.model.quant import QuantLinear, QuantLMHead
-from pipeline.stopwatch import alternating_best
+from pipeline.stopwatch import alternating_best, best_seconds
 
 TIMED_ROWS = 128  # a compute-bound batch, where W8A8 runs
 # Layers whose weights are timed: more than the caches near a core hold (SmolLM2's first 4: 14 MB of int8),
@@ -30,6 +32,10 @@ TIMED_LAYERS = 4
 ROUNDS = 3  # alternating rounds; each GEMM's figure is the median of its rounds' best
 REPS = 2
 PLAIN, PACKED = "torch._int_mm", "oneDNN packed"
+SCREEN_CHANNELS = 256  # output channels of the weight slice the screening call runs on
+# A packed call this many times slower than the plain one on the slice is a fallback kernel (the reference
+# kernel ran ~1,000x slower), not a tuned one losing by a margin
+SCREEN_FACTOR = 10.0
 
 
 def int8_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
@@ -55,17 +61,17 @@ def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]
                 chosen[part] = PACKED
                 continue
             timed = _timed(model, part, modules)
-            handles: list[torch.Tensor] = []
             try:
-                handles = [pack_int8_weight(m, m.int8_layout[0]) for m in timed]
-                plain = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], None) for m in timed])
-                packed = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
-                packed()  # a failing oneDNN kernel shows here, before any timing
+                slow = _screened_out(timed[0], rows)  # a failing oneDNN kernel shows here, before any timing
             except RuntimeError as e:
-                for handle in handles:
-                    release_packed(handle)
                 chosen[part] = f"{PLAIN} (no packed oneDNN GEMM here: {str(e).splitlines()[0]})"
                 continue
+            if slow:
+                chosen[part] = f"{PLAIN} ({slow})"
+                continue
+            handles = [pack_int8_weight(m, m.int8_layout[0]) for m in timed]
+            plain = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], None) for m in timed])
+            packed = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
             plain_s, packed_s = alternating_best((plain, packed), ROUNDS, REPS)
             figures = (f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.2f} plain for {len(timed)} of its "
                        f"{len(modules)} weights at {rows} rows")
@@ -81,6 +87,25 @@ def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]
                     release_packed(handle)
                 chosen[part] = f"{PLAIN} ({figures})"
     return chosen
+
+
+def _screened_out(module: nn.Module, rows: int) -> str | None:
+    """One call of each GEMM (after a warm-up call) on the first SCREEN_CHANNELS output channels of the
+    module's weight: why the packed GEMM is not worth timing in full (a fallback kernel, SCREEN_FACTOR
+    times slower or more), or None. Raises RuntimeError where oneDNN cannot pack or run it."""
+    weight, scales, _ = module.int8_layout
+    piece = weight[:SCREEN_CHANNELS]
+    handle = pack_int8_weight(piece, piece)
+    try:
+        q = torch.randint(-127, 128, (rows, piece.shape[1]), dtype=torch.int8)
+        packed_s = best_seconds(lambda: gemm_only(q, (None, scales[:SCREEN_CHANNELS], handle)), reps=1)
+        plain_s = best_seconds(lambda: gemm_only(q, (piece, scales[:SCREEN_CHANNELS], None)), reps=1)
+    finally:
+        release_packed(handle)
+    if packed_s < SCREEN_FACTOR * plain_s:
+        return None
+    return (f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.3f} plain for {piece.shape[0]} channels of one "
+            f"weight at {rows} rows: a fallback kernel, not timed further")
 
 
 def _timed(model: nn.Module, part: str, modules: list[nn.Module]) -> list[nn.Module]:

@@ -22,6 +22,7 @@ PROMPTS = [IDS, IDS[:5], [1, 77, 5000, 12, 900, 33, 2, 8]]
 def _scripted(monkeypatch, packed_faster: dict[str, bool]) -> None:
     """Timings where the packed GEMM wins exactly for the parts marked True (in the order timed)."""
     verdicts = iter(packed_faster.values())
+    monkeypatch.setattr(int8_gemm, "best_seconds", lambda fn, reps: 1.0)  # the screening calls tie
     monkeypatch.setattr(int8_gemm, "alternating_best",
                         lambda fns, rounds, reps: [2.0, 1.0] if next(verdicts) else [1.0, 2.0])
 
@@ -87,6 +88,29 @@ def test_without_a_packed_kernel_every_part_stays_on_int_mm(tiny_model_dir, monk
     assert greedy_decode(loaded.model, PROMPTS, 3)  # runs
 
 
+def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_model_dir, monkeypatch):
+    screened = []
+
+    def screening_call(fn, reps):
+        screened.append(fn)
+        return 50.0 if len(screened) % 2 else 1.0  # packed first, then plain: 50x slower, a fallback
+
+    def full_timing(fns, rounds, reps):
+        raise AssertionError("a screened-out GEMM must not be timed in full")
+
+    monkeypatch.setattr(int8_gemm, "best_seconds", screening_call)
+    monkeypatch.setattr(int8_gemm, "alternating_best", full_timing)
+    before = set(int8_cpu._packed)
+    loaded = _load(tiny_model_dir)
+    chosen = loaded.model.kernel_choice.int8_gemm
+    assert len(screened) == 4  # one call of each GEMM for each of the two parts
+    for text in chosen.values():
+        assert re.fullmatch(r"torch\._int_mm \(50000\.00 ms packed vs 1000\.000 plain for \d+ channels of one "
+                            r"weight at 128 rows: a fallback kernel, not timed further\)", text), text
+    assert set(int8_cpu._packed) == before  # the screening slices' packed copies are freed
+    assert all(m.int8_layout[2] is None for part in int8_parts(loaded.model).values() for m in part)
+
+
 def test_the_measurement_times_both_gemms_on_the_models_own_weights(tiny_model_dir):
     """Unscripted: whichever wins on this machine, its figures (or why there is no packed GEMM) are given."""
     chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
@@ -94,4 +118,6 @@ def test_the_measurement_times_both_gemms_on_the_models_own_weights(tiny_model_d
     for text in chosen.values():
         assert re.fullmatch(r"(oneDNN packed|torch\._int_mm) \([\d.]+ ms packed vs [\d.]+ plain "
                             r"for (\d+) of its (\d+) weights at 128 rows\)"
+                            r"|torch\._int_mm \([\d.]+ ms packed vs [\d.]+ plain for \d+ channels of one weight "
+                            r"at 128 rows: a fallback kernel, not timed further\)"
                             r"|torch\._int_mm \(no packed oneDNN GEMM here: .+\)", text), text
