@@ -59,6 +59,21 @@ def int8_products(q: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.T
     """q int8 [M, K] times an int8 weight [N, K], as stored or packed for oneDNN (`packed`, its handle):
     float32 [M, N], each int32 sum times its column's scale wscale [N, 1]. Both ways give the same bits
     (the sums are exact), so a model may pack some weights and not others."""
+    return as_products(int8_outputs(q, qweight, wscale, packed), wscale.reshape(1, -1))
+
+
+def int8_outputs(q: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Tensor,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
+    """What the int8 GEMM of `int8_products` writes, before any elementwise work: `torch._int_mm`'s int32
+    sums, or the packed GEMM's float32 products (its column scales are applied inside the kernel). A caller
+    that only reduces over the products (the greedy head's maxima) reads these once instead of writing a
+    float32 copy."""
     if packed is not None:
         return packed_int8_products(q, wscale.reshape(-1), packed)
-    return torch._int_mm(q, qweight.t()).float().mul_(wscale.reshape(1, -1))
+    return torch._int_mm(q, qweight.t())
+
+
+def as_products(outputs: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """`int8_outputs` (or columns gathered from them) as `int8_products`' values, bit for bit: int32 sums
+    times their columns' scales `wscale` (broadcast to them); float32 products as they are."""
+    return outputs if outputs.is_floating_point() else outputs.float().mul_(wscale)

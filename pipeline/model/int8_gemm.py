@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.int8_cpu import pack_int8_weight, packed_int8_products, release_packed
+from kernels.dispatch import int8_outputs
+from kernels.int8_cpu import pack_int8_weight, release_packed
 from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.stopwatch import alternating_best, best_seconds
 
@@ -98,8 +99,8 @@ def _screened_out(module: nn.Module, rows: int) -> str | None:
     handle = pack_int8_weight(piece, piece)
     try:
         q = torch.randint(-127, 128, (rows, piece.shape[1]), dtype=torch.int8)
-        packed_s = best_seconds(lambda: gemm_only(q, (None, scales[:SCREEN_CHANNELS], handle)), reps=1)
-        plain_s = best_seconds(lambda: gemm_only(q, (piece, scales[:SCREEN_CHANNELS], None)), reps=1)
+        packed_s = best_seconds(lambda: int8_outputs(q, None, scales[:SCREEN_CHANNELS], handle), reps=1)
+        plain_s = best_seconds(lambda: int8_outputs(q, piece, scales[:SCREEN_CHANNELS]), reps=1)
     finally:
         release_packed(handle)
     if packed_s < SCREEN_FACTOR * plain_s:
@@ -116,26 +117,16 @@ def _timed(model: nn.Module, part: str, modules: list[nn.Module]) -> list[nn.Mod
     return [m for m in modules if id(m) in first]
 
 
-def gemm_only(q: torch.Tensor, layout: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]) -> None:
-    """The int8 GEMM a W8A8 call on `layout` (a module's `int8_layout`) runs, without the elementwise
-    work around it that compiled steps fuse into their own loops: `torch._int_mm`'s bare int32 sums, or
-    the packed GEMM (its column scales are applied inside the kernel)."""
-    weight, scales, handle = layout
-    if handle is not None:
-        packed_int8_products(q, scales.reshape(-1), handle)
-    else:
-        torch._int_mm(q, weight.t())
-
-
 def gemm_pass(modules: list[nn.Module], rows: int,
               layouts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]]) -> Callable[[], None]:
-    """One pass of the modules' int8 GEMMs (`gemm_only`) at `rows` rows of random int8 activations, module
-    i on layouts[i] (its `int8_layout`, or the plain or packed one to be timed)."""
+    """One pass of the modules' int8 GEMMs (`kernels.dispatch.int8_outputs`: without the elementwise work
+    that compiled steps fuse into their own loops) at `rows` rows of random int8 activations, module i on
+    layouts[i] (its `int8_layout`, or the plain or packed one to be timed)."""
     inputs = {m.in_features: torch.randint(-127, 128, (rows, m.in_features), dtype=torch.int8) for m in modules}
     calls = [(inputs[m.in_features], layout) for m, layout in zip(modules, layouts, strict=True)]
 
     def run() -> None:
         for q, layout in calls:
-            gemm_only(q, layout)
+            int8_outputs(q, *layout)
 
     return run

@@ -20,9 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.dispatch import packed_matmul, wq_matmul
+from kernels.dispatch import int8_outputs, packed_matmul, wq_matmul
 from kernels.w8a8_reference import quantize_rows
-from pipeline.model.int8_gemm import gemm_only
 from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
 from pipeline.perf.quant_choice import QuantChoice
 from pipeline.stopwatch import alternating_best
@@ -135,9 +134,9 @@ def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) ->
     def run() -> None:
         for _ in range(model.config.num_layers):
             for q, layout in zip(inputs, layouts):
-                gemm_only(q, layout)
+                int8_outputs(q, *layout)
         if head.mode == "int8":
-            gemm_only(head_input, head.int8_layout)
+            int8_outputs(head_input, *head.int8_layout)
         else:
             torch.nn.functional.linear(head_input, head.fast_weight)
 
