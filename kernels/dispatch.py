@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int8_cpu import packed_int8_products
+from kernels.int8_cpu import FULL_RANGE, packed_int8_products, weight_bound
 from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_matmul
 from kernels.wq_reference import dequantize
@@ -43,6 +43,18 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Ten
 
         return w8a8_matmul_triton(x, qweight, wscale)
     return int_mm_w8a8(x, qweight, wscale, packed)
+
+
+def w8a8_weight_bound(device: torch.device) -> int:
+    """The |int8 weight| W8A8 weights on `device` are quantized to: the full 127, or on CPU the bound
+    oneDNN's packed GEMM multiplies exactly (`kernels.int8_cpu.weight_bound`: 63 without VNNI), so that the
+    faster GEMM stays open to them."""
+    if device.type != "cpu":
+        return FULL_RANGE
+    try:
+        return weight_bound()
+    except RuntimeError:  # no packed GEMM: torch._int_mm takes the full range
+        return FULL_RANGE
 
 
 def int_mm_w8a8(x: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Tensor,

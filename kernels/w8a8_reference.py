@@ -1,8 +1,9 @@
 """W8A8: int8 weights (one scale per output channel) times int8 activations (one scale per token).
 
 The weight is `kernels.wq_reference`'s int8 format with G = K (`quantize_int8(w)`): q_w [N, K] int8 and
-s_w [N, 1]. Activations are quantized on the fly, per row, symmetric absmax: s_x = max|x| / 127 and
-q_x = round(x / s_x) in -127..127. The product is accumulated exactly in int32 and scaled once:
+s_w [N, 1]; on CPUs whose int8 kernels sum pairs in int16, within -63..63
+(`kernels.dispatch.w8a8_weight_bound`). Activations are quantized on the fly, per row, symmetric absmax:
+s_x = max|x| / 127 and q_x = round(x / s_x) in -127..127. The product is accumulated exactly in int32 and scaled once:
 y[m, n] = (sum_k q_x[m, k] q_w[n, k]) * s_x[m] * s_w[n]. Every W8A8 kernel computes exactly this.
 """
 

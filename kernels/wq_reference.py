@@ -75,18 +75,21 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return pack_int4(q.reshape(n, k)), scales, mins
 
 
-def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest symmetric int8 (q in -127..127) per group (None: per output channel) -> (q, scales).
+def quantize_int8(w: torch.Tensor, group_size: int | None = None, bound: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric int8 (q in -bound..bound, bound <= 127) per group (None: per output
+    channel) -> (q, scales). A smaller bound serves int8 kernels that cannot take the full range exactly.
 
     Scales are float32 per channel (N of them: negligible bytes) and float16 for smaller groups.
     """
+    if not 1 <= bound <= 127:
+        raise ValueError(f"int8 bound must be in 1..127, got {bound}")
     n, k = w.shape
     g = k if group_size is None else group_size
     if k % g:
         raise ValueError(f"in_features {k} is not a multiple of the group size {g}")
     wg = w.float().reshape(n, k // g, g)
-    scales = (wg.abs().amax(-1) / 127).to(torch.float32 if g == k else torch.float16)
+    scales = (wg.abs().amax(-1) / bound).to(torch.float32 if g == k else torch.float16)
     s = scales.float().unsqueeze(-1)
     safe = torch.where(s == 0, torch.ones_like(s), s)
-    q = torch.round(wg / safe).clamp(-127, 127).to(torch.int8)
+    q = torch.round(wg / safe).clamp(-bound, bound).to(torch.int8)
     return q.reshape(n, k), scales

@@ -12,6 +12,11 @@ rows of random int8 activations, as a step runs them (the weights streaming one 
 layer's in cache). Before that, one call each on a slice of one weight screens out a packed GEMM that runs
 on oneDNN's reference kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed the weight but multiplied it
 with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it took 9 minutes of the load.
+The same call checks the packed products against the exact sums, bit for bit (a kernel that saturates is
+refused; `kernels.int8_cpu.weight_bound` keeps the weights within what it multiplies exactly).
+
+Without VNNI (an AVX2 Zen 3) the roles turn: `torch._int_mm` ran on a reference kernel (~3 GOP/s) and the
+packed GEMM at ~125-170, on 7-bit weights.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.dispatch import int8_outputs
+from kernels.dispatch import as_products, int8_outputs
 from kernels.int8_cpu import pack_int8_weight, release_packed
 from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.stopwatch import alternating_best, best_seconds
@@ -92,17 +97,22 @@ def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]
 
 def _screened_out(module: nn.Module, rows: int) -> str | None:
     """One call of each GEMM (after a warm-up call) on the first SCREEN_CHANNELS output channels of the
-    module's weight: why the packed GEMM is not worth timing in full (a fallback kernel, SCREEN_FACTOR
-    times slower or more), or None. Raises RuntimeError where oneDNN cannot pack or run it."""
+    module's weight: why the packed GEMM is not worth timing in full (products not those of the exact sums,
+    or a fallback kernel, SCREEN_FACTOR times slower or more), or None. Raises RuntimeError where oneDNN
+    cannot pack or run it."""
     weight, scales, _ = module.int8_layout
-    piece = weight[:SCREEN_CHANNELS]
+    piece, piece_scales = weight[:SCREEN_CHANNELS], scales[:SCREEN_CHANNELS]
     handle = pack_int8_weight(piece, piece)
     try:
         q = torch.randint(-127, 128, (rows, piece.shape[1]), dtype=torch.int8)
-        packed_s = best_seconds(lambda: int8_outputs(q, None, scales[:SCREEN_CHANNELS], handle), reps=1)
-        plain_s = best_seconds(lambda: int8_outputs(q, piece, scales[:SCREEN_CHANNELS]), reps=1)
+        packed_s = best_seconds(lambda: int8_outputs(q, None, piece_scales, handle), reps=1)
+        plain_s = best_seconds(lambda: int8_outputs(q, piece, piece_scales), reps=1)
+        exact = torch.equal(int8_outputs(q, None, piece_scales, handle),
+                            as_products(int8_outputs(q, piece, piece_scales), piece_scales.reshape(1, -1)))
     finally:
         release_packed(handle)
+    if not exact:
+        return f"oneDNN's packed products differ from {PLAIN}'s exact sums on one weight's slice: not used"
     if packed_s < SCREEN_FACTOR * plain_s:
         return None
     return (f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.3f} plain for {piece.shape[0]} channels of one "

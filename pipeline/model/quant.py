@@ -32,8 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
-from kernels.dispatch import as_products, int8_outputs, packed_matmul, w8a8_matmul, wq_matmul
-from kernels.int8_cpu import packed_bytes
+from kernels.dispatch import (
+    as_products,
+    int8_outputs,
+    packed_matmul,
+    w8a8_matmul,
+    w8a8_weight_bound,
+    wq_matmul,
+)
+from kernels.int8_cpu import FULL_RANGE, packed_bytes
 from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import (
     CPU_ACTIVATION_DTYPE,
@@ -60,6 +67,7 @@ class KernelChoice:
     w8a8_rows: int | None  # calls with at least this many rows run W8A8; None: never
     steps: Counter = field(default_factory=Counter)
     int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.model.int8_gemm`)
+    weight_bound: int | None = None  # the W8A8 weights' largest |int8| (`kernels.dispatch.w8a8_weight_bound`)
 
     def uses_w8a8(self, rows: int) -> bool:
         """quant=w8a8 (no weight-only kernel) at any row count, even none; else from `w8a8_rows` rows."""
@@ -264,17 +272,19 @@ class QuantLinear(ParallelLinear):
         so there a smoothed layout replaces the original."""
         if self.qweight is None:
             raise RuntimeError("attach_w8a8 needs the loaded weights in their original layout")
+        bound = w8a8_weight_bound(self.qweight.device)
         if input_absmax is not None:
             weight = self.dequantize()
             smooth = smoothing_factors(input_absmax.to(weight.device), weight)
-            self.w8a8_weight, self.w8a8_scales = quantize_int8(weight * smooth)
+            self.w8a8_weight, self.w8a8_scales = quantize_int8(weight * smooth, bound=bound)
             self.w8a8_smooth = 1.0 / smooth
             if self.scheme == "w8a8":
                 self.qweight = self.scales = None
-        elif self.bits == 8 and self.scales.shape[1] == 1 and self.scales.dtype == torch.float32:
+        elif (self.bits == 8 and self.scales.shape[1] == 1 and self.scales.dtype == torch.float32
+              and bound == FULL_RANGE):
             self.w8a8_weight, self.w8a8_scales = self.qweight, self.scales
         else:
-            self.w8a8_weight, self.w8a8_scales = quantize_int8(self.dequantize())
+            self.w8a8_weight, self.w8a8_scales = quantize_int8(self.dequantize(), bound=bound)
         self.choice = choice
 
     @property
@@ -351,7 +361,7 @@ class QuantLMHead(LMHead):
         self.register_buffer("columns", None)
         self.register_buffer("column_scale", None)
         if mode == "int8":
-            q, s = quantize_int8(head.weight.data.float())
+            q, s = quantize_int8(head.weight.data.float(), bound=w8a8_weight_bound(head.weight.device))
             if copies is not None:
                 columns = torch.repeat_interleave(torch.arange(copies.numel()), copies).to(q.device)
                 self.register_buffer("columns", columns)
@@ -432,6 +442,7 @@ def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: s
         raise ValueError(f"quant_lm_head={lm_head!r} is not one of {LM_HEAD_MODES}")
     choice = KernelChoice("" if scheme == "w8a8" else scheme, rows)
     if rows is not None:
+        choice.weight_bound = w8a8_weight_bound(model.norm.weight.device)
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
         ranges = None
         if calibration and model.tp.size == 1:

@@ -20,8 +20,10 @@ class Owner:
 
 
 def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 weights over the whole range this CPU's packed GEMM multiplies exactly."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    bound = int8_cpu.weight_bound()
+    q = torch.randint(-bound, bound + 1, (n, k), dtype=torch.int8, generator=gen)
     return q, torch.rand(n, 1, generator=gen) / 100 + 1e-4
 
 
@@ -89,3 +91,33 @@ def test_a_packed_weight_goes_with_its_owner_or_when_released():
 def test_packing_names_what_it_cannot_take():
     with pytest.raises(RuntimeError, match=r"int8 \[N, K\] weight, got torch.float32"):
         pack_int8_weight(Owner(), torch.randn(4, 8))
+
+
+def test_the_weight_bound_is_exact_in_the_worst_case_and_full_range_weights_beyond_it_would_not_be():
+    """At the measured bound, the largest products (activations 127, weights +-bound) come out exact; a bound
+    below 127 means the full range did not (the kernel sums u8 x s8 pairs in int16)."""
+    bound = int8_cpu.weight_bound()
+    assert bound in (int8_cpu.FULL_RANGE, int8_cpu.PAIR_SAFE_RANGE)
+    x = torch.full((5, 256), 127, dtype=torch.int8)
+    x[1] = -127
+    signs = torch.where(torch.arange(256) % 3 == 0, -1, 1).to(torch.int8)
+    qweight = torch.stack([torch.full((256,), bound, dtype=torch.int8), signs * bound])
+    owner = Owner()
+    y = packed_int8_products(x, torch.ones(2), pack_int8_weight(owner, qweight))
+    assert torch.equal(y, (x.long() @ qweight.long().T).float())
+    if bound < int8_cpu.FULL_RANGE:
+        full = torch.full((2, 256), 127, dtype=torch.int8)
+        packed = torch.ops.onednn.qlinear_prepack(full, None)
+        sums = int8_cpu._run_packed(x, torch.ones(2), packed, torch.zeros(2, dtype=torch.long))
+        assert not torch.equal(sums, (x.long() @ full.long().T).float())
+
+
+def test_packing_refuses_a_weight_beyond_the_bound(monkeypatch):
+    monkeypatch.setattr(int8_cpu, "weight_bound", lambda: int8_cpu.PAIR_SAFE_RANGE)
+    within = torch.full((4, 16), -63, dtype=torch.int8)
+    owner = Owner()
+    assert int(pack_int8_weight(owner, within)) in int8_cpu._packed
+    beyond = within.clone()
+    beyond[2, 5] = -64
+    with pytest.raises(RuntimeError, match=r"exact for \|weight\| <= 63 only"):
+        pack_int8_weight(Owner(), beyond)

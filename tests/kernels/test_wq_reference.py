@@ -60,6 +60,15 @@ def test_int8_per_channel_exact_and_symmetric():
     assert torch.equal(dequantize(q, s, None, 8)[0], torch.tensor([127.0, -64.0, 0.0, 0.0]))
 
 
+def test_int8_bound_holds_the_values_within_it_at_half_a_step():
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+    q, s = quantize_int8(w, bound=63)
+    assert int(q.abs().max()) == 63 and torch.equal(s, w.abs().amax(1, keepdim=True) / 63)
+    assert ((dequantize(q, s, None, 8) - w).abs() <= s * 0.5 + w.abs().max() * 2**-20).all()
+    with pytest.raises(ValueError, match="bound must be in 1..127"):
+        quantize_int8(w, bound=128)
+
+
 def test_int8_grouped_scales():
     w = torch.randn(4, 96, generator=torch.Generator().manual_seed(1))
     q, s = quantize_int8(w, 32)

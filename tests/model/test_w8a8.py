@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.dispatch import w8a8_weight_bound
 from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import dequantize, quantize_int8, wq_matmul_reference
+from pipeline.model import loader
 from pipeline.model.calibration import calibration_ids, measure_ranges
 from pipeline.model.layers import LMHead
 from pipeline.model.llama import cpp_compiler
@@ -23,6 +25,13 @@ from pipeline.model.quant import (
 from tests.reference import prompt_logits
 
 IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
+BOUND = w8a8_weight_bound(torch.device("cpu"))  # the |int8 weight| this CPU's W8A8 layouts hold
+
+
+@pytest.fixture
+def plain_int8_layouts(monkeypatch):
+    """Loads keep the W8A8 weights as int8 tensors (not packed for oneDNN, opaque), for tests that read them."""
+    monkeypatch.setattr(loader, "choose_int8_gemm", lambda model: {})
 
 
 def _logits(loaded, ids):
@@ -58,7 +67,7 @@ def test_w8a8_linear_equals_reference_from_float_weight_smoothed(tiny_model_dir,
     weight = dequantize(*quantize_int8(tiny_float.model.layers[1].mlp.down_proj.weight), None, 8)
     smooth = _calibrated_smoothing(tiny_model_dir, "layers.1.mlp.down_proj", quant="int8")
     x = torch.randn(7, lin.in_features)
-    expected = w8a8_matmul_reference(x / smooth, *quantize_int8(weight * smooth))
+    expected = w8a8_matmul_reference(x / smooth, *quantize_int8(weight * smooth, bound=BOUND))
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
@@ -106,7 +115,7 @@ def test_weight_only_switches_to_w8a8_from_a_batch_size(tiny_model_dir):
     tol = 2**-7 if lin.cpu_packed is not None else 1e-6
     torch.testing.assert_close(lin(small), ref_small, rtol=tol, atol=tol * ref_small.abs().max().item())
     smooth = _calibrated_smoothing(tiny_model_dir, "layers.0.self_attn.qkv_proj", quant="int4", quant_group_size=32)
-    expected = w8a8_matmul_reference(large / smooth, *quantize_int8(exact.dequantize() * smooth))  # smoothed
+    expected = w8a8_matmul_reference(large / smooth, *quantize_int8(exact.dequantize() * smooth, bound=BOUND))
     torch.testing.assert_close(lin(large), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     _logits(q, IDS)  # 12 rows: W8A8
     _logits(q, IDS[:2])  # 2 rows: weight-only
@@ -114,11 +123,16 @@ def test_weight_only_switches_to_w8a8_from_a_batch_size(tiny_model_dir):
     assert isinstance(q.model.lm_head, QuantLMHead)
 
 
-def test_uncalibrated_int8_w8a8_layout_shares_the_weight(tiny_model_dir):
+def test_uncalibrated_int8_w8a8_layout_shares_the_weight_where_it_fits_the_bound(tiny_model_dir, plain_int8_layouts):
     q = load_model(tiny_model_dir, quant="int8")
     attach_w8a8(q.model, "int8", 16, "none")  # no calibration ids (as under tensor parallelism): no smoothing
     lin = q.model.layers[0].mlp.gate_up_proj
-    assert lin.w8a8_weight.data_ptr() == lin.qweight.data_ptr() and lin.w8a8_smooth is None
+    assert lin.w8a8_smooth is None
+    if BOUND == 127:
+        assert lin.w8a8_weight.data_ptr() == lin.qweight.data_ptr()
+    else:  # requantized within this CPU's bound, from the int8 weight's values
+        assert int(lin.w8a8_weight.abs().max()) == BOUND
+        assert torch.equal(lin.w8a8_weight, quantize_int8(lin.dequantize(), bound=BOUND)[0])
     calibrated = load_model(tiny_model_dir, quant="int8", w8a8_rows=16).model.layers[0].mlp.gate_up_proj
     assert calibrated.w8a8_smooth is not None and not torch.equal(calibrated.w8a8_weight, lin.w8a8_weight)
 
@@ -169,7 +183,7 @@ def test_split_int8_head_is_the_w8a8_product_of_the_split_columns_and_beats_plai
     split = QuantLMHead(head, KernelChoice("", 1), "int8", copies)
     plain = QuantLMHead(head, KernelChoice("", 1), "int8")
     columns = torch.repeat_interleave(torch.arange(hidden), copies)
-    q, s = quantize_int8(head.weight.data)
+    q, s = quantize_int8(head.weight.data, bound=BOUND)
     expected = w8a8_matmul_reference(x[:, columns] / copies[columns], q[:, columns], s)
     torch.testing.assert_close(split(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # the activations' share of the error: against the int8 weights with float activations
@@ -230,7 +244,8 @@ def test_engine_greedy_steps_skip_the_logits_and_emit_the_same_tokens(tiny_model
     assert outputs[0] == outputs[1]
 
 
-def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_head_channels(tiny_model_dir):
+def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_head_channels(tiny_model_dir,
+                                                                                          plain_int8_layouts):
     first = load_model(tiny_model_dir, quant="int4", w8a8_rows=4).model
     second = load_model(tiny_model_dir, quant="int4", w8a8_rows=4).model
     a, b = first.layers[1].mlp.down_proj, second.layers[1].mlp.down_proj

@@ -85,7 +85,8 @@ def test_w8a8_from_one_row_frees_the_weight_only_layouts(tiny_model_dir, monkeyp
     assert chosen.w8a8_rows == 1 and "weight-only layouts freed" in chosen.reason
     assert model.kernel_choice.weight_only == "" and model.kernel_choice.uses_w8a8(1)
     linear = model.layers[0].mlp.down_proj
-    assert linear.packed_weight is None and linear.qweight is None and linear.w8a8_weight is not None
+    assert linear.packed_weight is None and linear.qweight is None
+    assert linear.w8a8_weight is not None or linear.w8a8_packed is not None  # the W8A8 layout, plain or packed
     assert sum(b.numel() * b.element_size() for b in model.buffers()) < bytes_before
     with torch.inference_mode():
         assert torch.equal(model.compute_logits(model(ids, torch.arange(3), WholeSequence(model.scale))), before)

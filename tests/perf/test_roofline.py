@@ -15,7 +15,7 @@ from pipeline.perf.probe import (
     ProbeResult,
     fill_hardware_config,
     measure_bandwidth,
-    measure_int8_peak,
+    measure_int8_gemms,
     measure_matmul_peak,
 )
 from pipeline.perf.roofline import (
@@ -229,7 +229,7 @@ def test_probe_fills_only_missing_figures():
 def test_probe_measures_plausible_figures():
     bandwidth = measure_bandwidth(mib=32, reps=2)
     flops = measure_matmul_peak(torch.float32, n=256, reps=2)
-    int_ops = measure_int8_peak(n=256, reps=2)
+    int8_gemms = measure_int8_gemms(n=256, reps=2)
     assert 1e8 < bandwidth < 1e13  # 0.1 GB/s .. 10 TB/s
-    assert 1e8 < flops < 1e15 and 1e8 < int_ops < 1e16
+    assert 1e8 < flops < 1e15 and "_int_mm" in int8_gemms and all(1e8 < v < 1e16 for v in int8_gemms.values())
     assert math.isfinite(bandwidth / flops)
