@@ -13,9 +13,10 @@ sums), the input its u8 x s8 kernels take natively. CPUs without VNNI multiply u
 `vpmaddubsw`, which sums two products in int16 and saturates: full-range weights came out wrong by up to
 ~20% of the sum on an AVX2 Zen 3. With |weight| <= 63 a pair stays within int16 (2 x 255 x 63 = 32,130), so
 `weight_bound` measures which range this CPU's kernel multiplies exactly and W8A8 weights are quantized to
-it (7 bits cost SmolLM2 +0.1% perplexity: +1.58% against +1.49% for 8 bits, 1,024 held-out tokens). On that
-Zen 3 the packed u8 GEMM ran at ~125-170 GOP/s, `torch._int_mm` (a reference kernel there) at ~3, and
-float32 `F.linear` at ~60-120 GFLOP/s.
+it (SmolLM2's W8A8 perplexity over float32 read +1.49% with 8-bit weights, +1.58-3.01% with 7-bit ones,
+1,024 held-out tokens, by how the weights were rounded on the way). On that Zen 3 the packed u8 GEMM ran
+at ~125-320 GOP/s, `torch._int_mm` (a reference kernel there) at ~3-4, and float32 `F.linear` at ~60-167
+GFLOP/s.
 
 The packed weight is an opaque oneDNN tensor that `torch.compile` cannot take as a graph input. Modules
 hold a 0-d int64 handle instead, and the `pipeline::int8_packed_products` operator looks the weight up by
