@@ -94,8 +94,10 @@ def measure_int8_gemms(n: int = 1024, reps: int = 5, min_seconds: float = MIN_SE
     except RuntimeError:
         return figures
     scales = torch.ones(n)
-    figures["packed"] = ops / best_seconds(lambda: packed_int8_products(a, scales, handle), reps, min_seconds)
-    release_packed(handle)
+    try:
+        figures["packed"] = ops / best_seconds(lambda: packed_int8_products(a, scales, handle), reps, min_seconds)
+    finally:
+        release_packed(handle)
     return figures
 
 
