@@ -1,9 +1,10 @@
-"""One calibration pass at load: the activation ranges W8A8 needs, measured on a fixed text.
+"""One calibration pass at load: what W8A8 needs to know of the activations, measured on a fixed text.
 
 Per-token int8 activations lose the most where a few channels are much larger than the rest: the step of
 every other channel follows them. Two remedies use the ranges measured here (`pipeline.model.quant`): the
 linears' inputs are smoothed (SmoothQuant: channel j of the input divided by s_j, column j of the weight
-multiplied by it), and the LM head's outlier channels are split over several int8 columns.
+multiplied by it), and the LM head's outlier channels are split over several int8 columns. The int8
+weights are then rounded against the inputs' Gram matrices (`pipeline.model.gptq`).
 
 The text is `calibration.txt` (prose, a dialogue, code, SQL, a recipe, a letter, three languages; ~750
 tokens for SmolLM2, of which the first CALIBRATION_TOKENS are run): fixed, so a model loads to the same
@@ -13,6 +14,7 @@ SmolLM2 about half as well as text did (perplexity +2.2% against +0.7-1.7% for t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +28,12 @@ CALIBRATION_TOKENS = 512
 
 
 @dataclass
-class ActivationRanges:
-    """max |x| per input channel of each measured linear (by module), and of the final hidden state."""
+class LinearInput:
+    """What the calibration pass fed one linear: max |x| per input channel [K] and the Gram matrix
+    X^T X [K, K] of its inputs (float32), which error-compensating rounding weighs errors by."""
 
-    inputs: dict[nn.Module, torch.Tensor]
-    final: torch.Tensor
+    absmax: torch.Tensor
+    gram: torch.Tensor
 
 
 def calibration_ids(tokenizer) -> list[int]:
@@ -38,18 +41,24 @@ def calibration_ids(tokenizer) -> list[int]:
     return tokenizer.encode(CALIBRATION_TEXT.read_text())[:CALIBRATION_TOKENS]
 
 
-@torch.inference_mode()
-def measure_ranges(model: nn.Module, ids: list[int], linears: list[nn.Module]) -> ActivationRanges:
-    """One forward pass of `model` over `ids` as a single sequence, recording the channel maxima of what
-    enters each of `linears` and of the final hidden state."""
-    ranges: dict[nn.Module, torch.Tensor] = {}
+@torch.no_grad()
+def calibrate(model: nn.Module, ids: list[int], linears: list[nn.Module],
+              visit: Callable[[nn.Module, LinearInput], None]) -> torch.Tensor:
+    """One forward pass of `model` over `ids` as a single sequence: right after each of `linears` runs,
+    `visit(linear, what entered it)`, so at most one linear's Gram matrix is held at a time (a visit may
+    change the linear: its call is over). Returns the channel maxima of the final hidden state.
 
-    def record(module: nn.Module, args: tuple) -> None:
-        x = args[0].detach()
-        seen = x.abs().reshape(-1, x.shape[-1]).amax(0).float().cpu()
-        ranges[module] = torch.maximum(ranges[module], seen) if module in ranges else seen
+    Gradient-free rather than inference mode, so tensors a visit makes are ordinary model buffers."""
+    visited: set[nn.Module] = set()
 
-    hooks = [m.register_forward_pre_hook(record) for m in linears]
+    def seen(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if module in visited:
+            raise RuntimeError("a linear ran twice in the calibration pass: its inputs would be split")
+        visited.add(module)
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+        visit(module, LinearInput(x.abs().amax(0).cpu(), (x.T @ x).cpu()))
+
+    hooks = [m.register_forward_hook(seen) for m in linears]
     try:
         device = model.norm.weight.device
         tokens = torch.tensor(ids, device=device)
@@ -58,4 +67,4 @@ def measure_ranges(model: nn.Module, ids: list[int], linears: list[nn.Module]) -
     finally:
         for hook in hooks:
             hook.remove()
-    return ActivationRanges(ranges, hidden.abs().amax(0).float().cpu())
+    return hidden.abs().amax(0).float().cpu()

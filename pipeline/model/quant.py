@@ -50,9 +50,10 @@ from kernels.wq_cpu import (
     weight_only_kernels_fast,
 )
 from kernels.wq_reference import dequantize, group_size_of, pack_int4, quantize_int4, quantize_int8
-from pipeline.model.calibration import measure_ranges
+from pipeline.model.calibration import LinearInput, calibrate
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.fp8_linear import Fp8Linear
+from pipeline.model.gptq import gptq_int8
 from pipeline.model.layers import LMHead, ParallelLinear, compiled_copy
 
 GGUF_BLOCK = 32
@@ -266,17 +267,20 @@ class QuantLinear(ParallelLinear):
             return None
         return CpuPacked(self.bits, self.packed_weight, self.packed_scales, self.packed_group)
 
-    def attach_w8a8(self, choice: KernelChoice, input_absmax: torch.Tensor | None = None) -> None:
-        """Add the int8 per-channel layout W8A8 calls use: smoothed (`smoothing_factors`) when the calibrated
-        input ranges are given, else the weight itself when it already is one. quant=w8a8 has no other calls,
-        so there a smoothed layout replaces the original."""
+    def attach_w8a8(self, choice: KernelChoice, seen: LinearInput | None = None) -> None:
+        """Add the int8 per-channel layout W8A8 calls use: with what calibration fed this linear (`seen`),
+        smoothed (`smoothing_factors`) and rounded against the smoothed inputs (`gptq_int8`); without, the
+        weight itself when it already is one, else rounded to nearest. quant=w8a8 has no other calls, so
+        there a calibrated layout replaces the original."""
         if self.qweight is None:
             raise RuntimeError("attach_w8a8 needs the loaded weights in their original layout")
         bound = w8a8_weight_bound(self.qweight.device)
-        if input_absmax is not None:
+        if seen is not None:
             weight = self.dequantize()
-            smooth = smoothing_factors(input_absmax.to(weight.device), weight)
-            self.w8a8_weight, self.w8a8_scales = quantize_int8(weight * smooth, bound=bound)
+            smooth = smoothing_factors(seen.absmax.to(weight.device), weight)
+            # The smoothed layer's inputs are x / smooth: their Gram matrix is H / (smooth smooth^T).
+            gram = seen.gram.to(weight.device) / torch.outer(smooth, smooth)
+            self.w8a8_weight, self.w8a8_scales = gptq_int8(weight * smooth, gram, bound)
             self.w8a8_smooth = 1.0 / smooth
             if self.scheme == "w8a8":
                 self.qweight = self.scales = None
@@ -433,7 +437,8 @@ def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: s
     """Let a loaded quantized model run calls of >= `w8a8_rows` rows in W8A8 (None: never; quant=w8a8
     always); `lm_head` ("int8", "bf16", "none") is the LM head's kernel for those calls. With `calibration`
     token ids, one pass over them measures the activation ranges that smooth the linears' inputs and split
-    the int8 head's outlier channels (`pipeline.model.calibration`); not under tensor parallelism (the pass
+    the int8 head's outlier channels, and the inputs' Gram matrices the int8 weights are rounded against
+    (`pipeline.model.calibration`); not under tensor parallelism (the pass
     would need every rank's collectives at load). Sets `model.kernel_choice`."""
     rows = 1 if scheme == "w8a8" else w8a8_rows
     if rows is not None and rows < 1:
@@ -444,13 +449,14 @@ def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: s
     if rows is not None:
         choice.weight_bound = w8a8_weight_bound(model.norm.weight.device)
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        ranges = None
+        final = None
         if calibration and model.tp.size == 1:
-            ranges = measure_ranges(model, calibration, linears)
-        for m in linears:
-            m.attach_w8a8(choice, None if ranges is None else ranges.inputs[m])
+            final = calibrate(model, calibration, linears, lambda m, seen: m.attach_w8a8(choice, seen))
+        else:
+            for m in linears:
+                m.attach_w8a8(choice)
         if lm_head != "none" and (lm_head != "bf16" or model.dtype != torch.bfloat16):
-            copies = column_copies(ranges.final) if lm_head == "int8" and ranges is not None else None
+            copies = column_copies(final) if lm_head == "int8" and final is not None else None
             model.lm_head = QuantLMHead(model.lm_head, choice, lm_head, copies)
     model.kernel_choice = choice
     return choice

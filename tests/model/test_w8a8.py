@@ -7,9 +7,10 @@ import torch
 
 from kernels.dispatch import w8a8_weight_bound
 from kernels.w8a8_reference import w8a8_matmul_reference
-from kernels.wq_reference import dequantize, quantize_int8, wq_matmul_reference
+from kernels.wq_reference import quantize_int8, wq_matmul_reference
 from pipeline.model import loader
-from pipeline.model.calibration import calibration_ids, measure_ranges
+from pipeline.model.calibration import calibrate, calibration_ids
+from pipeline.model.gptq import gptq_int8
 from pipeline.model.layers import LMHead
 from pipeline.model.llama import cpp_compiler
 from pipeline.model.loader import load_model
@@ -44,30 +45,36 @@ def tiny_float(tiny_model_dir):
 
 
 def _measured_independently(tiny_model_dir, **load):
-    """(model, ranges): a model loaded without W8A8 calls and the calibration text run through it."""
+    """(model, what entered each linear, final hidden maxima): a model loaded without W8A8 calls and the
+    calibration text run through it."""
     loaded = load_model(tiny_model_dir, **load)
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
-    return loaded.model, measure_ranges(loaded.model, calibration_ids(loaded.tokenizer), linears)
+    inputs = {}
+    final = calibrate(loaded.model, calibration_ids(loaded.tokenizer), linears, inputs.__setitem__)
+    return loaded.model, inputs, final
 
 
-def _calibrated_smoothing(tiny_model_dir, module_path: str, **load) -> torch.Tensor:
-    """The smoothing factors of one linear: `smoothing_factors` of the ranges seen and the linear's weight."""
-    plain, ranges = _measured_independently(tiny_model_dir, **load)
+def _calibrated_layout(tiny_model_dir, module_path: str, **load) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(smoothing factors, int8 weight, scales) one linear's W8A8 layout should have: `smoothing_factors`
+    of the ranges seen and the linear's weight, then `gptq_int8` of the smoothed weight against the
+    smoothed inputs' Gram matrix."""
+    plain, inputs, _ = _measured_independently(tiny_model_dir, **load)
     lin = plain.get_submodule(module_path)
-    return smoothing_factors(ranges.inputs[lin], lin.dequantize())
+    seen, weight = inputs[lin], lin.dequantize()
+    smooth = smoothing_factors(seen.absmax, weight)
+    return smooth, *gptq_int8(weight * smooth, seen.gram / torch.outer(smooth, smooth), BOUND)
 
 
-def test_w8a8_linear_equals_reference_from_float_weight_smoothed(tiny_model_dir, tiny_float):
+def test_w8a8_linear_equals_reference_from_float_weight_smoothed_and_rounded_against_its_inputs(tiny_model_dir):
     q = load_model(tiny_model_dir, quant="w8a8")
     lin = q.model.layers[1].mlp.down_proj
     assert isinstance(lin, QuantLinear) and lin.choice.uses_w8a8(1)
     assert lin.qweight is None  # quant=w8a8: the smoothed layout replaced the original
     assert lin(torch.randn(0, lin.in_features)).shape == (0, lin.out_features)  # no rows: still W8A8
-    # float weight -> int8 per channel (the load) -> smoothed and requantized (the calibration)
-    weight = dequantize(*quantize_int8(tiny_float.model.layers[1].mlp.down_proj.weight), None, 8)
-    smooth = _calibrated_smoothing(tiny_model_dir, "layers.1.mlp.down_proj", quant="int8")
+    # float weight -> int8 per channel (the load, as quant=int8's) -> smoothed and rounded by GPTQ (the calibration)
+    smooth, qweight, scales = _calibrated_layout(tiny_model_dir, "layers.1.mlp.down_proj", quant="int8")
     x = torch.randn(7, lin.in_features)
-    expected = w8a8_matmul_reference(x / smooth, *quantize_int8(weight * smooth, bound=BOUND))
+    expected = w8a8_matmul_reference(x / smooth, qweight, scales)
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
@@ -114,8 +121,9 @@ def test_weight_only_switches_to_w8a8_from_a_batch_size(tiny_model_dir):
     # Packed for torch's CPU kernels where bf16 is native: bfloat16 activations, else the exact path.
     tol = 2**-7 if lin.cpu_packed is not None else 1e-6
     torch.testing.assert_close(lin(small), ref_small, rtol=tol, atol=tol * ref_small.abs().max().item())
-    smooth = _calibrated_smoothing(tiny_model_dir, "layers.0.self_attn.qkv_proj", quant="int4", quant_group_size=32)
-    expected = w8a8_matmul_reference(large / smooth, *quantize_int8(exact.dequantize() * smooth, bound=BOUND))
+    smooth, qweight, scales = _calibrated_layout(tiny_model_dir, "layers.0.self_attn.qkv_proj", quant="int4",
+                                                 quant_group_size=32)
+    expected = w8a8_matmul_reference(large / smooth, qweight, scales)
     torch.testing.assert_close(lin(large), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     _logits(q, IDS)  # 12 rows: W8A8
     _logits(q, IDS[:2])  # 2 rows: weight-only
@@ -251,7 +259,7 @@ def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_h
     a, b = first.layers[1].mlp.down_proj, second.layers[1].mlp.down_proj
     assert torch.equal(a.w8a8_weight, b.w8a8_weight) and torch.equal(a.w8a8_smooth, b.w8a8_smooth)
     assert torch.equal(first.lm_head.columns, second.lm_head.columns)
-    _, ranges = _measured_independently(tiny_model_dir, quant="int4")
-    copies = column_copies(ranges.final)
+    _, _, final = _measured_independently(tiny_model_dir, quant="int4")
+    copies = column_copies(final)
     assert torch.equal(first.lm_head.columns, torch.repeat_interleave(torch.arange(copies.numel()), copies))
     assert first.lm_head.columns.numel() > first.config.hidden_size  # the tiny model has outliers to split
