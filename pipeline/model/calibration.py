@@ -56,7 +56,7 @@ def calibrate(model: nn.Module, ids: list[int], linears: list[nn.Module],
             raise RuntimeError("a linear ran twice in the calibration pass: its inputs would be split")
         visited.add(module)
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-        visit(module, LinearInput(x.abs().amax(0).cpu(), (x.T @ x).cpu()))
+        visit(module, LinearInput(x.abs().amax(0), x.T @ x))
 
     hooks = [m.register_forward_hook(seen) for m in linears]
     try:

@@ -34,8 +34,11 @@ def gptq_int8(weight: torch.Tensor, gram: torch.Tensor, bound: int = 127) -> tup
     h[dead, dead] = 1.0
     w[dead] = 0.0
     h.diagonal().add_(DAMPING * torch.diagonal(h).mean())
-    # The upper Cholesky factor of H^-1: row i holds how channel i's error spreads over channels > i.
-    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    # U upper with H^-1 = U^T U: row i holds how channel i's error spreads over channels > i. It is the
+    # inverse of V upper with H = V V^T, the Cholesky factor of H with its channel order reversed.
+    reversed_factor = torch.linalg.cholesky(h.flip(0, 1)).flip(0, 1)
+    identity = torch.eye(k, dtype=h.dtype, device=h.device)
+    h_inv = torch.linalg.solve_triangular(reversed_factor, identity, upper=True).float()
     scales = weight.detach().float().abs().amax(1, keepdim=True) / bound
     step = torch.where(scales == 0, torch.ones_like(scales), scales)[:, 0]
     q = torch.empty_like(w)
