@@ -29,11 +29,11 @@ CALIBRATION_TOKENS = 512
 
 @dataclass
 class LinearInput:
-    """What the calibration pass fed one linear: max |x| per input channel [K] and the Gram matrix
-    X^T X [K, K] of its inputs (float32), which error-compensating rounding weighs errors by."""
+    """What the calibration pass fed one linear: max |x| per input channel [K] and, when asked for, the
+    Gram matrix X^T X [K, K] of its inputs (float32), which error-compensating rounding weighs errors by."""
 
     absmax: torch.Tensor
-    gram: torch.Tensor
+    gram: torch.Tensor | None
 
 
 def calibration_ids(tokenizer) -> list[int]:
@@ -43,10 +43,10 @@ def calibration_ids(tokenizer) -> list[int]:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, ids: list[int], linears: list[nn.Module],
-              visit: Callable[[nn.Module, LinearInput], None]) -> torch.Tensor:
+              visit: Callable[[nn.Module, LinearInput], None], grams: bool = False) -> torch.Tensor:
     """One forward pass of `model` over `ids` as a single sequence: right after each of `linears` runs,
-    `visit(linear, what entered it)`, so at most one linear's Gram matrix is held at a time (a visit may
-    change the linear: its call is over). Returns the channel maxima of the final hidden state.
+    `visit(linear, what entered it)` (with its Gram matrix if `grams`), so at most one Gram matrix is held
+    at a time (a visit may change the linear: its call is over). Returns the channel maxima of the final hidden state.
 
     Gradient-free rather than inference mode, so tensors a visit makes are ordinary model buffers."""
     visited: set[nn.Module] = set()
@@ -56,7 +56,7 @@ def calibrate(model: nn.Module, ids: list[int], linears: list[nn.Module],
             raise RuntimeError("a linear ran twice in the calibration pass: its inputs would be split")
         visited.add(module)
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-        visit(module, LinearInput(x.abs().amax(0), x.T @ x))
+        visit(module, LinearInput(x.abs().amax(0), x.T @ x if grams else None))
 
     hooks = [m.register_forward_hook(seen) for m in linears]
     try:

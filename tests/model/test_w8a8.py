@@ -9,6 +9,7 @@ from kernels.dispatch import w8a8_weight_bound
 from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import quantize_int8, wq_matmul_reference
 from pipeline.model import loader
+from pipeline.model import quant as quant_module
 from pipeline.model.calibration import calibrate, calibration_ids
 from pipeline.model.gptq import gptq_int8
 from pipeline.model.layers import LMHead
@@ -45,23 +46,25 @@ def tiny_float(tiny_model_dir):
 
 
 def _measured_independently(tiny_model_dir, **load):
-    """(model, what entered each linear, final hidden maxima): a model loaded without W8A8 calls and the
-    calibration text run through it."""
+    """(model, what entered each linear with its Gram matrix, final hidden maxima): a model loaded without
+    W8A8 calls and the calibration text run through it."""
     loaded = load_model(tiny_model_dir, **load)
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     inputs = {}
-    final = calibrate(loaded.model, calibration_ids(loaded.tokenizer), linears, inputs.__setitem__)
+    final = calibrate(loaded.model, calibration_ids(loaded.tokenizer), linears, inputs.__setitem__, grams=True)
     return loaded.model, inputs, final
 
 
-def _calibrated_layout(tiny_model_dir, module_path: str, **load) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(smoothing factors, int8 weight, scales) one linear's W8A8 layout should have: `smoothing_factors`
-    of the ranges seen and the linear's weight, then `gptq_int8` of the smoothed weight against the
-    smoothed inputs' Gram matrix."""
+def _calibrated_layout(tiny_model_dir, module_path: str, **load):
+    """(smoothing factors, int8 weight, scales) one linear's W8A8 layout should have on this CPU:
+    `smoothing_factors` of the ranges seen and the linear's weight, then the smoothed weight rounded to
+    8 bits to nearest, or to 7 (`BOUND` 63) by `gptq_int8` against the smoothed inputs' Gram matrix."""
     plain, inputs, _ = _measured_independently(tiny_model_dir, **load)
     lin = plain.get_submodule(module_path)
     seen, weight = inputs[lin], lin.dequantize()
     smooth = smoothing_factors(seen.absmax, weight)
+    if BOUND == 127:
+        return smooth, *quantize_int8(weight * smooth)
     return smooth, *gptq_int8(weight * smooth, seen.gram / torch.outer(smooth, smooth), BOUND)
 
 
@@ -76,6 +79,22 @@ def test_w8a8_linear_equals_reference_from_float_weight_smoothed_and_rounded_aga
     x = torch.randn(7, lin.in_features)
     expected = w8a8_matmul_reference(x / smooth, qweight, scales)
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("bound", [63, 127])
+def test_7_bit_weights_are_gptq_rounded_against_the_calibration_8_bit_ones_to_nearest(
+        tiny_model_dir, plain_int8_layouts, monkeypatch, bound):
+    monkeypatch.setattr(quant_module, "w8a8_weight_bound", lambda device: bound)  # without VNNI: 63, whatever this CPU
+    lin = load_model(tiny_model_dir, quant="w8a8").model.layers[0].mlp.gate_up_proj
+    plain, inputs, _ = _measured_independently(tiny_model_dir, quant="int8")
+    ref = plain.get_submodule("layers.0.mlp.gate_up_proj")
+    seen, weight = inputs[ref], ref.dequantize()
+    smooth = smoothing_factors(seen.absmax, weight)
+    nearest = quantize_int8(weight * smooth, bound=bound)
+    gptq = gptq_int8(weight * smooth, seen.gram / torch.outer(smooth, smooth), bound)
+    assert not torch.equal(gptq[0], nearest[0])
+    q, scales = gptq if bound < 127 else nearest
+    assert torch.equal(lin.w8a8_weight, q) and torch.equal(lin.w8a8_scales, scales)
 
 
 def test_smoothing_factors_balance_activation_and_weight_ranges():
