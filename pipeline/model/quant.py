@@ -455,7 +455,7 @@ def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: s
         final = None
         if calibration and model.tp.size == 1:
             # GPTQ where the CPU's int8 GEMM holds weights to 7 bits: on SmolLM2 it took W8A8 from +2.95% to
-            # +1.35% perplexity there; at 8 bits it read +1.35-1.96% against nearest's +1.48%, no gain.
+            # +1.35% perplexity there; at 8 bits it read +1.34-1.97% against nearest's +1.48%, no gain.
             final = calibrate(model, calibration, linears, lambda m, seen: m.attach_w8a8(choice, seen),
                               grams=choice.weight_bound < FULL_RANGE)
         else:
