@@ -3,8 +3,8 @@
 Per-token int8 activations lose the most where a few channels are much larger than the rest: the step of
 every other channel follows them. Two remedies use the ranges measured here (`pipeline.model.quant`): the
 linears' inputs are smoothed (SmoothQuant: channel j of the input divided by s_j, column j of the weight
-multiplied by it), and the LM head's outlier channels are split over several int8 columns. The int8
-weights are then rounded against the inputs' Gram matrices (`pipeline.model.gptq`).
+multiplied by it), and the LM head's outlier channels are split over several int8 columns. Where int8
+weights are held to 7 bits, they are rounded against the inputs' Gram matrices (`pipeline.model.gptq`).
 
 The text is `calibration.txt` (prose, a dialogue, code, SQL, a recipe, a letter, three languages; ~750
 tokens for SmolLM2, of which the first CALIBRATION_TOKENS are run): fixed, so a model loads to the same
@@ -46,7 +46,8 @@ def calibrate(model: nn.Module, ids: list[int], linears: list[nn.Module],
               visit: Callable[[nn.Module, LinearInput], None], grams: bool = False) -> torch.Tensor:
     """One forward pass of `model` over `ids` as a single sequence: right after each of `linears` runs,
     `visit(linear, what entered it)` (with its Gram matrix if `grams`), so at most one Gram matrix is held
-    at a time (a visit may change the linear: its call is over). Returns the channel maxima of the final hidden state.
+    at a time (a visit may change the linear: its call is over). Returns the final hidden state's channel
+    maxima.
 
     Gradient-free rather than inference mode, so tensors a visit makes are ordinary model buffers."""
     visited: set[nn.Module] = set()
