@@ -55,17 +55,23 @@ def _measured_independently(tiny_model_dir, **load):
     return loaded.model, inputs, final
 
 
-def _calibrated_layout(tiny_model_dir, module_path: str, **load):
-    """(smoothing factors, int8 weight, scales) one linear's W8A8 layout should have on this CPU:
-    `smoothing_factors` of the ranges seen and the linear's weight, then the smoothed weight rounded to
-    8 bits to nearest, or to 7 (`BOUND` 63) by `gptq_int8` against the smoothed inputs' Gram matrix."""
+def _expected_roundings(tiny_model_dir, module_path: str, bound: int, **load):
+    """(smoothing factors, nearest, gptq) for one linear's W8A8 layout within `bound`: `smoothing_factors`
+    of the ranges seen and the linear's weight, then the smoothed weight rounded to nearest and by
+    `gptq_int8` against the smoothed inputs' Gram matrix, each as (int8 weight, scales)."""
     plain, inputs, _ = _measured_independently(tiny_model_dir, **load)
     lin = plain.get_submodule(module_path)
     seen, weight = inputs[lin], lin.dequantize()
     smooth = smoothing_factors(seen.absmax, weight)
-    if BOUND == 127:
-        return smooth, *quantize_int8(weight * smooth)
-    return smooth, *gptq_int8(weight * smooth, seen.gram / torch.outer(smooth, smooth), BOUND)
+    nearest = quantize_int8(weight * smooth, bound=bound)
+    return smooth, nearest, gptq_int8(weight * smooth, seen.gram / torch.outer(smooth, smooth), bound)
+
+
+def _calibrated_layout(tiny_model_dir, module_path: str, **load):
+    """(smoothing factors, int8 weight, scales) the layout should have on this CPU: rounded to nearest at
+    8 bits, by GPTQ at 7 (`BOUND` 63)."""
+    smooth, nearest, gptq = _expected_roundings(tiny_model_dir, module_path, BOUND, **load)
+    return smooth, *(nearest if BOUND == 127 else gptq)
 
 
 def test_w8a8_linear_equals_reference_from_float_weight_smoothed_and_rounded_against_its_inputs(tiny_model_dir):
@@ -74,7 +80,7 @@ def test_w8a8_linear_equals_reference_from_float_weight_smoothed_and_rounded_aga
     assert isinstance(lin, QuantLinear) and lin.choice.uses_w8a8(1)
     assert lin.qweight is None  # quant=w8a8: the smoothed layout replaced the original
     assert lin(torch.randn(0, lin.in_features)).shape == (0, lin.out_features)  # no rows: still W8A8
-    # float weight -> int8 per channel (the load, as quant=int8's) -> smoothed and rounded by GPTQ (the calibration)
+    # float weight -> int8 per channel (the load, as quant=int8's) -> smoothed and rounded (the calibration)
     smooth, qweight, scales = _calibrated_layout(tiny_model_dir, "layers.1.mlp.down_proj", quant="int8")
     x = torch.randn(7, lin.in_features)
     expected = w8a8_matmul_reference(x / smooth, qweight, scales)
@@ -86,12 +92,7 @@ def test_7_bit_weights_are_gptq_rounded_against_the_calibration_8_bit_ones_to_ne
         tiny_model_dir, plain_int8_layouts, monkeypatch, bound):
     monkeypatch.setattr(quant_module, "w8a8_weight_bound", lambda device: bound)  # without VNNI: 63, whatever this CPU
     lin = load_model(tiny_model_dir, quant="w8a8").model.layers[0].mlp.gate_up_proj
-    plain, inputs, _ = _measured_independently(tiny_model_dir, quant="int8")
-    ref = plain.get_submodule("layers.0.mlp.gate_up_proj")
-    seen, weight = inputs[ref], ref.dequantize()
-    smooth = smoothing_factors(seen.absmax, weight)
-    nearest = quantize_int8(weight * smooth, bound=bound)
-    gptq = gptq_int8(weight * smooth, seen.gram / torch.outer(smooth, smooth), bound)
+    _, nearest, gptq = _expected_roundings(tiny_model_dir, "layers.0.mlp.gate_up_proj", bound, quant="int8")
     assert not torch.equal(gptq[0], nearest[0])
     q, scales = gptq if bound < 127 else nearest
     assert torch.equal(lin.w8a8_weight, q) and torch.equal(lin.w8a8_scales, scales)
