@@ -61,15 +61,22 @@ def int_mm_w8a8(x: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Ten
                 packed: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8 through `torch._int_mm` (oneDNN on CPU; cuBLASLt on CUDA, which needs more than 16 rows), or on
     CPU through the packed weight of handle `packed`: y = sums x weight scale x row scale."""
-    q, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+    q, sx = quantize_for_gemm(x.reshape(-1, x.shape[-1]), packed)
     y = int8_products(q, qweight, wscale, packed).mul_(sx)
     return y.to(x.dtype).reshape(*x.shape[:-1], wscale.shape[0])
 
 
+def quantize_for_gemm(x: torch.Tensor, packed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(x)` as the GEMM that takes them wants them: uint8 with zero point 128 for a packed
+    weight (handle `packed`), int8 for `torch._int_mm`."""
+    return quantize_rows(x, zero_point=0 if packed is None else 128)
+
+
 def int8_products(q: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Tensor,
                   packed: torch.Tensor | None = None) -> torch.Tensor:
-    """q int8 [M, K] times an int8 weight [N, K], as stored or packed for oneDNN (`packed`, its handle):
-    float32 [M, N], each int32 sum times its column's scale wscale [N, 1]. Both ways give the same bits
+    """q int8 [M, K] (or for a packed weight uint8 q + 128, `quantize_for_gemm`) times an int8 weight [N, K],
+    as stored or packed for oneDNN (`packed`, its handle): float32 [M, N], each int32 sum times its column's
+    scale wscale [N, 1]. Both ways give the same bits
     (the sums are exact), so a model may pack some weights and not others."""
     return as_products(int8_outputs(q, qweight, wscale, packed), wscale.reshape(1, -1))
 

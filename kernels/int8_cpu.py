@@ -52,7 +52,7 @@ def weight_bound() -> int:
     q = torch.full((m, k), FULL_RANGE, dtype=torch.int8)
     for bound in (FULL_RANGE, PAIR_SAFE_RANGE):
         packed = torch.ops.onednn.qlinear_prepack(torch.full((n, k), bound, dtype=torch.int8), None)
-        sums = _run_packed(q, torch.ones(n), packed, torch.zeros(n, dtype=torch.long))
+        sums = _run_packed(uint8_activations(q), torch.ones(n), packed, torch.zeros(n, dtype=torch.long))
         if torch.equal(sums, torch.full((m, n), float(FULL_RANGE * bound * k))):
             return bound
     raise RuntimeError("oneDNN's packed int8 GEMM is not exact on this CPU even with 7-bit weights")
@@ -86,25 +86,38 @@ def packed_bytes(handle: torch.Tensor) -> int:
     return _packed[int(handle)][2]
 
 
-def _run_packed(q: torch.Tensor, wscale: torch.Tensor, packed: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
-    """q int8 [M, K] times a packed weight, as uint8 q + 128 with zero point 128: float32 sums x wscale [N]."""
-    shifted = q.contiguous().view(torch.uint8).bitwise_xor(128)  # two's complement q + 128, as uint8
-    return torch.ops.onednn.qlinear_pointwise(shifted, 1.0, 128, packed, wscale.float().contiguous(), zero_points,
-                                              None, 1.0, 0, torch.float32, "none", [], "")
+def uint8_activations(q: torch.Tensor) -> torch.Tensor:
+    """Activations as the packed GEMM takes them: uint8 q + 128 (zero point 128). uint8 ones (from
+    `quantize_rows(x, zero_point=128)`, what steps pass) as they are; int8 ones with their sign bit flipped,
+    a pass of its own (~40-70 us a call at 256 rows of SmolLM2 on an AVX2 Zen 3, the fresh buffer read back
+    cold), which is why steps round straight to uint8."""
+    return q if q.dtype == torch.uint8 else q.view(torch.uint8).bitwise_xor(128)
 
 
-def _packed_products(q: torch.Tensor, wscale: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+def _run_packed(u: torch.Tensor, wscale: torch.Tensor, packed: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    """uint8 activations u (`uint8_activations`) times a packed weight: float32 sums x wscale [N]."""
+    return torch.ops.onednn.qlinear_pointwise(u.contiguous(), 1.0, 128, packed, wscale.float().contiguous(),
+                                              zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+
+
+def _packed_products(u: torch.Tensor, wscale: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
     packed, zero_points, _ = _packed[int(handle)]
-    if q.shape[0] == 0:
-        return q.new_empty((0, wscale.shape[0]), dtype=torch.float32)
-    return _run_packed(q, wscale, packed, zero_points)
+    if u.shape[0] == 0:
+        return u.new_empty((0, wscale.shape[0]), dtype=torch.float32)
+    return _run_packed(u, wscale, packed, zero_points)
 
 
-def _products_shape(q: torch.Tensor, wscale: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
-    return q.new_empty((q.shape[0], wscale.shape[0]), dtype=torch.float32)
+def _products_shape(u: torch.Tensor, wscale: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return u.new_empty((u.shape[0], wscale.shape[0]), dtype=torch.float32)
 
 
-# q int8 [M, K] times the packed weight of `handle` (int8 [N, K]): float32 [M, N], each int32 sum times its
-# column's scale wscale [N].
-packed_int8_products = define_op("int8_packed_products", "(Tensor q, Tensor wscale, Tensor handle) -> Tensor",
-                                 _packed_products, _products_shape)
+# uint8 activations u [M, K] (`uint8_activations`) times the packed weight of `handle` (int8 [N, K]):
+# float32 [M, N], each int32 sum times its column's scale wscale [N].
+_uint8_products = define_op("int8_packed_products", "(Tensor u, Tensor wscale, Tensor handle) -> Tensor",
+                            _packed_products, _products_shape)
+
+
+def packed_int8_products(q: torch.Tensor, wscale: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    """q int8 [M, K] (or uint8 q + 128, `uint8_activations`) times the packed weight of `handle` (int8
+    [N, K]): float32 [M, N], each int32 sum times its column's scale wscale [N]."""
+    return _uint8_products(uint8_activations(q), wscale, handle)

@@ -12,13 +12,19 @@ from __future__ import annotations
 import torch
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (q int8 [M, K], scale float32 [M, 1]); an all-zero row gets scale 1 (q = 0)."""
+def quantize_rows(x: torch.Tensor, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q [M, K], scale float32 [M, 1]); an all-zero row gets scale 1 (q = 0). q is int8
+    (zero_point 0) or, with zero_point=128, uint8 q + 128: the input oneDNN's u8 x s8 GEMM takes
+    (`kernels.int8_cpu`), rounded straight to it so that a compiled step writes it in its vectorized
+    rounding loop."""
+    if zero_point not in (0, 128):
+        raise ValueError(f"quantize_rows: zero_point must be 0 (int8) or 128 (uint8), got {zero_point}")
     xf = x.float()
     scale = xf.abs().amax(-1, keepdim=True).div_(127)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     # |x / scale| <= 127 up to one rounding of scale, so the rounded value is within -127..127: no clamp pass.
-    return torch.round(xf / scale).to(torch.int8), scale
+    q = torch.round(xf / scale)
+    return (q.to(torch.int8) if zero_point == 0 else (q + 128).to(torch.uint8)), scale
 
 
 def w8a8_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kernels.dispatch import as_products, int8_outputs
-from kernels.int8_cpu import pack_int8_weight, release_packed
+from kernels.int8_cpu import pack_int8_weight, release_packed, uint8_activations
 from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.stopwatch import alternating_best, best_seconds
 
@@ -133,7 +133,9 @@ def gemm_pass(modules: list[nn.Module], rows: int,
     that compiled steps fuse into their own loops) at `rows` rows of random int8 activations, module i on
     layouts[i] (its `int8_layout`, or the plain or packed one to be timed)."""
     inputs = {m.in_features: torch.randint(-127, 128, (rows, m.in_features), dtype=torch.int8) for m in modules}
-    calls = [(inputs[m.in_features], layout) for m, layout in zip(modules, layouts, strict=True)]
+    # a packed weight's activations as steps pass them: already uint8 (`kernels.dispatch.quantize_for_gemm`)
+    calls = [(inputs[m.in_features] if layout[2] is None else uint8_activations(inputs[m.in_features]), layout)
+             for m, layout in zip(modules, layouts, strict=True)]
 
     def run() -> None:
         for q, layout in calls:

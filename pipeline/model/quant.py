@@ -36,12 +36,12 @@ from kernels.dispatch import (
     as_products,
     int8_outputs,
     packed_matmul,
+    quantize_for_gemm,
     w8a8_matmul,
     w8a8_weight_bound,
     wq_matmul,
 )
 from kernels.int8_cpu import FULL_RANGE, packed_bytes
-from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import (
     CPU_ACTIVATION_DTYPE,
     CpuPacked,
@@ -426,7 +426,7 @@ class QuantLMHead(LMHead):
         products), row scales [N, 1] and the chunk maxima of the logits they make, products x row scale
         (compiled, the maxima fuse into one read pass over the outputs: no float32 products or logits are
         stored; at 256 rows of SmolLM2 that pass took 2.4 ms against 5.6 storing the products)."""
-        q, row_scales = quantize_rows(self._int8_input(hidden))
+        q, row_scales = quantize_for_gemm(self._int8_input(hidden), self.fast_packed)
         outputs = int8_outputs(q, self.fast_weight, self.fast_scales, self.fast_packed)
         return outputs, row_scales, chunk_maxima(as_products(outputs, self.fast_scales.reshape(1, -1)) * row_scales)
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.dispatch import int8_outputs, packed_matmul, wq_matmul
-from kernels.w8a8_reference import quantize_rows
+from kernels.dispatch import int8_outputs, packed_matmul, quantize_for_gemm, wq_matmul
 from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
 from pipeline.perf.quant_choice import QuantChoice
 from pipeline.stopwatch import alternating_best
@@ -123,11 +122,11 @@ def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: 
 def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
     """One W8A8 step's products at `rows` rows: int8 x int8 for the layer, num_layers times (the GEMM each
     weight runs on: `pipeline.model.int8_gemm`), and the head."""
-    inputs = [quantize_rows(torch.randn(rows, m.in_features))[0] for m in linears]
+    inputs = [quantize_for_gemm(torch.randn(rows, m.in_features), m.int8_layout[2])[0] for m in linears]
     layouts = [m.int8_layout for m in linears]
     head = model.lm_head
     if head.mode == "int8":
-        head_input = quantize_rows(torch.randn(rows, head.in_features))[0]
+        head_input = quantize_for_gemm(torch.randn(rows, head.in_features), head.fast_packed)[0]
     else:
         head_input = torch.randn(rows, head.in_features, dtype=head.fast_weight.dtype)
 

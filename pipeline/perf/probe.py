@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from kernels.dispatch import w8a8_weight_bound
-from kernels.int8_cpu import pack_int8_weight, packed_int8_products, release_packed
+from kernels.int8_cpu import pack_int8_weight, packed_int8_products, release_packed, uint8_activations
 from kernels.wq_cpu import native_bf16, weight_only_kernels_fast
 from pipeline.config import CONF_DIR
 from pipeline.errors import JobError
@@ -93,9 +93,9 @@ def measure_int8_gemms(n: int = 1024, reps: int = 5, min_seconds: float = MIN_SE
         handle = pack_int8_weight(b, b)
     except RuntimeError:
         return figures
-    scales = torch.ones(n)
+    scales, u = torch.ones(n), uint8_activations(a)  # as steps pass them (`kernels.int8_cpu`)
     try:
-        figures["packed"] = ops / best_seconds(lambda: packed_int8_products(a, scales, handle), reps, min_seconds)
+        figures["packed"] = ops / best_seconds(lambda: packed_int8_products(u, scales, handle), reps, min_seconds)
     finally:
         release_packed(handle)
     return figures

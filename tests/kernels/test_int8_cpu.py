@@ -37,6 +37,7 @@ def test_packed_products_are_the_int32_sums_times_the_column_scales_bit_for_bit(
     y = packed_int8_products(x, scales.reshape(-1), handle)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert torch.equal(y, sums * scales.reshape(1, -1))
+    assert torch.equal(packed_int8_products(int8_cpu.uint8_activations(x), scales.reshape(-1), handle), y)
     assert torch.equal(int8_products(x, qweight, scales, handle), int8_products(x, qweight, scales))
     assert packed_bytes(handle) == n * k
 
@@ -108,7 +109,7 @@ def test_the_weight_bound_is_exact_in_the_worst_case_and_full_range_weights_beyo
     if bound < int8_cpu.FULL_RANGE:
         full = torch.full((2, 256), 127, dtype=torch.int8)
         packed = torch.ops.onednn.qlinear_prepack(full, None)
-        sums = int8_cpu._run_packed(x, torch.ones(2), packed, torch.zeros(2, dtype=torch.long))
+        sums = int8_cpu._run_packed(int8_cpu.uint8_activations(x), torch.ones(2), packed, torch.zeros(2, dtype=torch.long))
         assert not torch.equal(sums, (x.long() @ full.long().T).float())
 
 

@@ -30,6 +30,10 @@ def test_quantize_rows_round_trip_and_zero_row():
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     assert torch.all((q.float() * s - x).abs() <= s / 2 + 1e-7)  # round-to-nearest: half a step
     assert s[2].item() == 1.0 and torch.all(q[2] == 0)
+    u, su = quantize_rows(x, zero_point=128)  # the packed GEMM's uint8 input: the same steps, moved by 128
+    assert u.dtype == torch.uint8 and torch.equal(su, s) and torch.equal(u.long(), q.long() + 128)
+    with pytest.raises(ValueError, match="zero_point"):
+        quantize_rows(x, zero_point=1)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
