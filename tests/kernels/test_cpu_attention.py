@@ -49,7 +49,7 @@ def queries_as_scored(kernel: cpu_attention.PagedDecodeKernel, q: torch.Tensor, 
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16), (64, 3, 64)])
+@pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16), (64, 3, 64), (64, 8, 16)])
 def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
     """Narrower pools: the reference reads the vectors they stand for (bfloat16 widened, int8 times its
     scale) and the queries as the kernel scores them; all other arithmetic is float32."""
