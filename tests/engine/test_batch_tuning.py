@@ -15,10 +15,11 @@ from pipeline.engine.request import Request, SamplingParams
 from tests.engine.conftest import random_prompts
 
 
-def test_pick_is_the_smallest_within_the_margin():
-    assert pick({16: 400.0, 32: 700.0, 64: 960.0, 128: 1000.0, 256: 990.0}) == 64  # 960 >= 95% of 1000
-    assert pick({16: 400.0, 32: 700.0, 64: 900.0, 128: 1000.0}) == 128
-    assert pick({16: 400.0, 32: 700.0}, within=0.5) == 16
+def test_pick_is_the_largest_within_the_margin():
+    assert pick({16: 400.0, 32: 700.0, 64: 960.0, 128: 1000.0, 256: 960.0}) == 256  # 960 >= 95% of 1000
+    assert pick({16: 400.0, 32: 700.0, 64: 990.0, 128: 1000.0, 256: 940.0}) == 128  # 940 < 95%: 64 ties, 256 lost
+    assert pick({16: 400.0, 32: 700.0, 64: 1000.0, 128: 900.0}) == 64  # a larger batch that measured slower
+    assert pick({16: 400.0, 32: 700.0}, within=0.5) == 32
     assert pick({64: 5.0}) == 64
 
 
