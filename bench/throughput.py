@@ -11,6 +11,7 @@ the CPU flags and load average, each mode's tok/s, and the ratios to transformer
     python bench/throughput.py --workload distinct --modes none,int8,int4,gguf,w8a8,auto
     python bench/throughput.py --workload shared --new-tokens 64 --modes none,w8a8,auto
     python bench/throughput.py --modes auto,auto+logits --batch 128  # the fused greedy head, side by side
+    python bench/throughput.py --workload shared --new-tokens 64 --modes auto@128,auto@256  # fixed batch sizes
 
 The model runs in float32 (the job's default), as the job does: `auto` is resolved from this machine's
 probe exactly as `model.quant=auto` is. `--dtype auto` takes bfloat16 only when the probe finds bf16
@@ -125,9 +126,20 @@ def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int |
     return loaded
 
 
-def run_engine(loaded, prompts: list[list[int]], args) -> dict:
+def split_mode(mode: str) -> tuple[str, str, int | None]:
+    """`quant[/kv dtype][+logits][@batch]` -> (model mode `quant[/kv dtype]`, "+logits" or "", batch or None)."""
+    rest, _, batch = mode.partition("@")
+    model_mode, plus, suffix = rest.partition("+")
+    if suffix not in ("", "logits"):
+        raise SystemExit(f"--modes: {mode!r}: the only + suffix is +logits")
+    if batch and not batch.isdigit():
+        raise SystemExit(f"--modes: {mode!r}: @ takes an engine.max_batch_size, e.g. auto@256")
+    return model_mode, plus + suffix, int(batch) if batch else None
+
+
+def run_engine(loaded, prompts: list[list[int]], args, batch: int | str) -> dict:
     config = EngineConfig(
-        kv_cache_memory=args.kv_cache_memory, max_batch_size=args.batch, max_batched_tokens=args.max_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, max_batch_size=batch, max_batched_tokens=args.max_batched_tokens,
     )
     engine = Engine(loaded, config)
     choice = engine.tune_batch_size(args.new_tokens, len(prompts))  # --batch auto: measured, as in a job
@@ -244,8 +256,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="none,auto",
                     help="comma-separated model.quant values for the engine, each optionally /float32 or /bfloat16 "
-                         "for model.kv_cache_dtype (default: auto, as the job resolves it) and +logits for greedy "
-                         "steps through the logits and the sampler (the path before the fused greedy head)")
+                         "for model.kv_cache_dtype (default: auto, as the job resolves it), +logits for greedy "
+                         "steps through the logits and the sampler (the path before the fused greedy head) and "
+                         "@N for engine.max_batch_size=N instead of --batch")
     ap.add_argument("--w8a8-rows", type=int, default=16, help="model.quant_w8a8_rows for int8/int4/gguf")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every mode and transformers")
     ap.add_argument("--batch", type=lambda v: v if v == "auto" else int(v), default="auto",
@@ -275,7 +288,10 @@ def main() -> None:
     base = load_model(path, getattr(torch, dtype_name))
     profile = HardwareProfile("cpu", hw.bandwidth, {k: v for k, v in hw.flops.items()}, hw.memory)
     weight_only = "gguf" if str(path).endswith(".gguf") else "int4"
-    max_batch = EngineConfig(max_batch_size=args.batch).batch_limit
+    modes = args.modes.split(",")
+    parsed = {m: split_mode(m) for m in modes}
+    fixed = [batch for _, _, batch in parsed.values() if batch]
+    max_batch = max(EngineConfig(max_batch_size=b).batch_limit for b in [args.batch, *fixed])
     auto = choose_quant(base.config, profile, weight_only, hw.weight_only_kernels, max_batch)
     print(f"auto -> {auto.scheme}, W8A8 from {auto.w8a8_rows} rows, LM head {auto.lm_head}: {auto.reason}")
     tok = base.tokenizer
@@ -288,12 +304,12 @@ def main() -> None:
     print(f"workload {args.workload}: {len(prompts)} prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} "
           f"tokens, {args.new_tokens} new tokens each")
 
-    modes = args.modes.split(",")
-    for m in modes:
-        if m.partition("+")[2] not in ("", "logits"):
-            raise SystemExit(f"--modes: {m!r}: the only suffix is +logits")
-    models = {m: load_mode(path, getattr(torch, dtype_name), m.partition("+")[0], auto, args.w8a8_rows, max_batch)
-              for m in modes}
+    loaded_modes: dict[str, object] = {}  # one model per model mode: auto@128 and auto@256 share it
+    for model_mode, _, _ in parsed.values():
+        if model_mode not in loaded_modes:
+            loaded_modes[model_mode] = load_mode(path, getattr(torch, dtype_name), model_mode, auto, args.w8a8_rows,
+                                                 max_batch)
+    models = {m: loaded_modes[parsed[m][0]] for m in modes}
     hf_source = base if dtype_name == best_dtype else load_model(path, getattr(torch, best_dtype))
     hf_best = None  # (attn, batch, model)
     for attn in args.hf_attn.split(","):
@@ -311,8 +327,9 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
             loaded = models[mode]
-            with greedy_through_logits() if mode.endswith("+logits") else contextlib.nullcontext():
-                eng = run_engine(loaded, prompts, args)
+            _, suffix, batch = parsed[mode]
+            with greedy_through_logits() if suffix == "+logits" else contextlib.nullcontext():
+                eng = run_engine(loaded, prompts, args, batch or args.batch)
             s = eng["stats"]
             rates[mode].append(eng["tokens_per_s"])
             first_outputs = first_outputs or eng["outputs"]
