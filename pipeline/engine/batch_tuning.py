@@ -13,9 +13,8 @@ one pass's steps, enough to swap two sizes ~10% apart. The pick is the largest c
 of the best rate: sizes that close are a tie the few timed steps cannot break, and on a CPU a token's cost
 does not grow with the batch (its GEMM work is the same per row and runs no slower with more rows, while the
 step's fixed costs, Python, dispatch and graph guards, are shared by more of them), so a tie goes to the
-larger batch. (The smallest within the margin lost whole jobs: on a Zen 4 the tuner picked 128 where 256
-ran the same job 1.18x faster, docs/performance.md.) Every candidate's KV cache fits by construction
-(`candidates`). Measuring costs seconds
+larger batch. (On a Zen 4, whole shared-prefix jobs ran 1.18x faster at 256 than at 128 and distinct ones
+tied: docs/performance.md.) Every candidate's KV cache fits by construction (`candidates`). Measuring costs seconds
 (more in float32), so a short run (fewer than `SHORT_RUN_TOKENS` new tokens in all) takes `SHORT_RUN_BATCH`
 unmeasured. On CUDA nothing is timed: decode stays bandwidth bound well past the largest candidate, so the
 largest that fits is the pick.
