@@ -3,7 +3,8 @@
 A greedy job's decode step is timed whole, and beside it, in alternating rounds:
 - its int8 GEMMs alone: the model's own W8A8 weights (body and LM head), each on the GEMM the model chose
   for it (`torch._int_mm` or oneDNN's packed GEMM), at the step's rows, the weights streaming from memory
-  as in the step;
+  as in the step; and the same with every layer on the first layer's weights (in cache: what the weights'
+  trips from memory cost the GEMMs);
 - its attention as the step runs it (every layer's pools, so the keys and values come from DRAM);
 - the same attention with every layer reading layer 0's pools (in cache: the kernel's arithmetic alone);
 - the bytes the step's attention reads, at the probe's streaming bandwidth (the memory floor for them).
@@ -52,12 +53,18 @@ def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepB
     return seen[-1]
 
 
-def int8_gemms(model: torch.nn.Module, rows: int) -> tuple[Callable[[], None], float]:
+def int8_gemms(model: torch.nn.Module, rows: int, one_layer: bool = False) -> tuple[Callable[[], None], float]:
     """The step's W8A8 products on the model's own int8 weights, each on the GEMM the model chose for it
-    (`pipeline.model.int8_gemm`), and their operations (2 per multiply-add)."""
-    modules = [m for part in int8_parts(model).values() for m in part]
-    if not modules:
+    (`pipeline.model.int8_gemm`), and their operations (2 per multiply-add). one_layer: every layer's
+    products on the first layer's weights (a few MB, read from cache after the first layer), the head's as
+    they are: against the step's own weights, what streaming them from memory costs the GEMMs."""
+    parts = int8_parts(model)
+    if not parts:
         raise SystemExit("the model has no W8A8 weights: run with --quant auto (quantized) on a CPU with int8 peaks")
+    layers = parts.get("layers", [])
+    if one_layer and layers:
+        layers = layers[: len(layers) // model.config.num_layers] * model.config.num_layers
+    modules = layers + parts.get("lm_head", [])
     layouts = [m.int8_layout for m in modules]
     ops = sum(2.0 * rows * m.in_features * scales.shape[0] for m, (_, scales, _) in zip(modules, layouts))
     return gemm_pass(modules, rows, layouts), ops
@@ -96,6 +103,7 @@ def main() -> None:
     blocks = int((batch.context_lens + attn.block_size - 1).div(attn.block_size, rounding_mode="floor").sum())
     kv_bytes = blocks * kv_bytes_per_block(model, attn.block_size)
     gemms, gemm_ops = int8_gemms(model, batch.num_decodes)
+    gemms_in_cache, _ = int8_gemms(model, batch.num_decodes, one_layer=True)
     attention_seconds: list[float] = []
 
     def whole_step() -> None:
@@ -114,6 +122,7 @@ def main() -> None:
     measured: dict[str, Callable[[], None]] = {
         "step": whole_step,
         "gemms": gemms,
+        "gemms in cache": gemms_in_cache,
         "as run": attention(lambda layer: layer),
         "in cache": attention(lambda layer: 0),
     }
@@ -135,6 +144,9 @@ def main() -> None:
     rows = [
         ("whole step", ms["step"], f"{batch.num_decodes / ms['step'] * 1e3:.0f} tok/s"),
         ("int8 GEMMs alone", ms["gemms"], f"{gemm_ops / 1e9:.1f} GOP at {gemm_ops / ms['gemms'] / 1e6:.0f} GOP/s"),
+        ("  one layer's weights, in cache", ms["gemms in cache"],
+         f"{gemm_ops / ms['gemms in cache'] / 1e6:.0f} GOP/s: the weights' trips from memory cost "
+         f"{ms['gemms'] - ms['gemms in cache']:.1f} ms"),
         ("attention inside the step", in_step, ""),
         ("attention, as run", ms["as run"], f"{kv_bytes / 1e6:.0f} MB of KV at {kv_bytes / ms['as run'] / 1e6:.1f} GB/s"),
         ("attention, pools in cache", ms["in cache"], "the arithmetic"),
