@@ -7,6 +7,7 @@ tensor-like object that supports it (e.g. raw quantized blocks) can be sharded t
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from torch import nn
 from kernels.argmax import row_argmax
 from pipeline.parallel.group import SINGLE, TPGroup
 
+log = logging.getLogger(__name__)
+
 
 def compiled_copy(fn: Callable, **options: Any) -> Callable:
     """`torch.compile(fn, **options)` on a copy of fn with a code object of its own (a bound method stays
@@ -28,7 +31,30 @@ def compiled_copy(fn: Callable, **options: Any) -> Callable:
     own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                              func.__closure__)
     own.__kwdefaults__ = func.__kwdefaults__
+    pin_vector_isa()
     return torch.compile(own if fn is func else types.MethodType(own, fn.__self__), **options)
+
+
+def pin_vector_isa() -> bool:
+    """Write torch.compile's verdict on this CPU's vector instructions into its config
+    (`torch._inductor.config.cpp.vec_isa_ok`) and return it; a value already set (TORCHINDUCTOR_VEC_ISA_OK)
+    is kept.
+
+    Why: the CPU backend vectorizes its loops only where a small check program, built and loaded in a
+    child process, passes; left unset, the verdict is not part of the key of torch's on-disk graph cache.
+    One process whose check failed (a broken compiler or header cache, a load probe past its timeout) then
+    caches scalar loops that every later process is served, its own check passing or not: on a Zen 4 such
+    a cache made the 256-row steps of a W8A8 job 1.3-1.4x slower. Pinned, the verdict keys the cache."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    cpp = config.cpp
+    if cpp.vec_isa_ok is None:
+        cpp.vec_isa_ok = bool(pick_vec_isa())
+        if not cpp.vec_isa_ok:
+            log.warning("torch.compile found no vector instructions it can use on this CPU (its check "
+                        "program did not build or load): compiled loops are scalar and several times slower")
+    return cpp.vec_isa_ok
 
 
 class RMSNorm(nn.Module):

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from pipeline.model.layers import pin_vector_isa
 from pipeline.model.llama import LAYERS_PER_GRAPH, layer_runs
 from pipeline.model.loader import load_model
 from tests.reference import assert_only_near_ties, greedy_decode, prompt_logits
@@ -63,3 +70,49 @@ def test_models_compiled_in_one_process_keep_graphs_of_their_own(tiny_model_dir)
         codes = [fn._torchdynamo_orig_callable.__code__ for fn in compiled]
         assert codes[0] is not codes[1]
         assert [len(graphs_of(code)) for code in codes] == [1, 1]  # one prefill each: its own graph only
+
+
+# Compiles one elementwise function through `compiled_copy`; with "broken", as in a process whose check of the
+# CPU's vector instructions failed (torch then generates scalar loops).
+COMPILE_ONCE = """
+import sys
+import torch
+import torch._inductor.cpu_vec_isa as isa
+from pipeline.model.layers import compiled_copy
+
+if sys.argv[1] == "broken":
+    isa.valid_vec_isa_list = lambda: []
+fn = compiled_copy(lambda x, y: torch.nn.functional.silu(x) * y)
+fn(torch.randn(64, 256), torch.randn(64, 256))
+"""
+
+
+def vectorized_kernels(cache: Path) -> int:
+    """Generated C++ loops (`void kernel(...)`; not torch's check programs, which use vector types too) in
+    torch's cache directory that use its vector types."""
+    sources = [f.read_text() for f in cache.rglob("*.cpp")]
+    return sum(bool(re.search(r"\bvoid\s+kernel\(", s)) and "at::vec::Vectorized" in s for s in sources)
+
+
+def test_scalar_loops_cached_by_a_process_whose_vector_check_failed_are_not_served_to_the_next(tmp_path):
+    """Both processes share torch's on-disk graph cache. The verdict pinned into the config keys it, so
+    the second process (its check passing) compiles vectorized loops instead of loading the first's."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+    root = Path(__file__).resolve().parents[2]
+    if not pin_vector_isa():
+        pytest.skip("torch.compile vectorizes nothing on this CPU")
+    for case, expect_vectorized in (("broken", False), ("working", True)):
+        subprocess.run([sys.executable, "-c", COMPILE_ONCE, case], cwd=root, env=env, check=True, timeout=600)
+        assert (vectorized_kernels(tmp_path) > 0) == expect_vectorized, case
+
+
+def test_a_preset_vector_verdict_is_kept_and_a_failed_check_is_recorded(monkeypatch):
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa
+
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # as TORCHINDUCTOR_VEC_ISA_OK=0 sets it
+    assert pin_vector_isa() is False
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(isa, "valid_vec_isa_list", lambda: [])
+    assert pin_vector_isa() is False and config.cpp.vec_isa_ok is False
