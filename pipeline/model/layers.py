@@ -44,7 +44,7 @@ def pin_vector_isa() -> bool:
     child process, passes; left unset, the verdict is not part of the key of torch's on-disk graph cache.
     One process whose check failed (a broken compiler or header cache, a load probe past its timeout) then
     caches scalar loops that every later process is served, its own check passing or not: on a Zen 4 such
-    a cache made the 256-row steps of a W8A8 job 1.3-1.4x slower. Pinned, the verdict keys the cache."""
+    a cache made the 256-row steps of a W8A8 job 1.4-1.5x slower. Pinned, the verdict keys the cache."""
     from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
