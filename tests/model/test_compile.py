@@ -111,8 +111,9 @@ def test_a_preset_vector_verdict_is_kept_and_a_failed_check_is_recorded(monkeypa
     from torch._inductor import config
     from torch._inductor import cpu_vec_isa as isa
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # as TORCHINDUCTOR_VEC_ISA_OK=0 sets it
-    assert pin_vector_isa() is False
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    # torch's config is patched through its own context manager (pytest's monkeypatch deletes the key)
+    with config.patch({"cpp.vec_isa_ok": False}):  # as TORCHINDUCTOR_VEC_ISA_OK=0 sets it
+        assert pin_vector_isa() is False
     monkeypatch.setattr(isa, "valid_vec_isa_list", lambda: [])
-    assert pin_vector_isa() is False and config.cpp.vec_isa_ok is False
+    with config.patch({"cpp.vec_isa_ok": None}):
+        assert pin_vector_isa() is False and config.cpp.vec_isa_ok is False
