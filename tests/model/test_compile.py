@@ -1,4 +1,5 @@
-"""Compiled decoder layers (`LlamaModel.compile_layers`) against the same model run eagerly."""
+"""Compiled decoder layers (`LlamaModel.compile_layers`) against the same model run eagerly, and how their
+compiled graphs are shared through torch's on-disk cache."""
 
 from __future__ import annotations
 
