@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.conftest import SCRIPTS
+from tests.slurm.conftest import SCRIPTS, SlurmCluster
 
 SBATCH = SCRIPTS / "pipeline.sbatch"
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]  # real daemons and jobs: seconds each
@@ -27,6 +27,14 @@ def test_sacct_standin_reports_each_array_task(slurm_cluster, tmp_path):
     states = slurm_cluster.wait(job, tasks=4, timeout_s=60)
     assert states == {f"{job}_0": ("COMPLETED", "0:0"), f"{job}_1": ("COMPLETED", "0:0"),
                       f"{job}_2": ("FAILED", "3:0"), f"{job}_3": ("COMPLETED", "0:0")}
+    # A job that has just ended may not be in the completion log yet: the controller's exit code stands in.
+    without_log = SlurmCluster({**slurm_cluster.env, "PIPELINE_SLURM_JOBCOMP": str(tmp_path / "no-such.log")})
+    assert without_log.states(job) == states
+
+
+def test_sacct_standin_reports_a_signal_as_sacct_does(slurm_cluster, tmp_path):
+    job = slurm_cluster.sbatch(f"--output={tmp_path}/%j.out", "--wrap", "kill -KILL $$")
+    assert slurm_cluster.wait(job, tasks=1, timeout_s=60) == {job: ("FAILED", "0:9")}
 
 
 def test_submitit_learns_that_a_task_died(slurm_cluster, tmp_path, monkeypatch):
