@@ -1,11 +1,9 @@
 """Build, cache and call the native CPU paged attention (`kernels/cpu_attention.c`): the decode pass, and
 the write of each step's new keys and values into the pools.
 
-The C source is compiled once per (head_dim, query group, block size, compiler, CPU) with the system C
-compiler (`$CC`, else `gcc`/`cc`) and `-march=native`, cached under `$PIPELINE_KERNEL_CACHE` (default
-`~/.cache/pipeline/kernels`), and called through ctypes: the kernel takes raw pointers, so no torch headers
-and no extension toolchain are needed, and a build takes about a second. It uses the OpenMP runtime torch has
-already loaded, so it shares torch's threads and their count.
+The C source is compiled once per (head_dim, query group, block size, compiler, CPU) by
+`kernels.native_build` (the system C compiler, `-march=native`, cached under `$PIPELINE_KERNEL_CACHE`,
+default `~/.cache/pipeline/kernels`) and called through ctypes.
 
 Where it cannot run (no compiler, a CPU without AVX2, a shape the kernel does not take, or
 `PIPELINE_NATIVE_ATTENTION=off`), `load_paged_decode` says why and callers keep torch's path.
@@ -14,18 +12,16 @@ Where it cannot run (no compiler, a CPU without AVX2, a shape the kernel does no
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from kernels.native_build import built_library, c_compiler, cpu_identity
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 VECTOR_FLOATS = 16  # head_dim and block_size must be multiples of this (AVX-512 width; AVX2 takes 8)
 MAX_GROUP = 16  # query heads per KV head held in registers / on the stack per task
 
@@ -144,30 +140,11 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
 
 
-def c_compiler() -> str | None:
-    """$CC, else gcc, else cc, if installed."""
-    found = (shutil.which(name) for name in (os.environ.get("CC"), "gcc", "cc") if name)
-    return next((path for path in found if path), None)
-
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model name and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown cpu"
-    return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(("model name", "flags"))))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels")
-
-
 def machine_reason() -> str | None:
     """Why no native kernel runs on this machine, whatever the shape (None: it builds where shapes allow)."""
     if os.environ.get("PIPELINE_NATIVE_ATTENTION", "").lower() in ("0", "off", "false", "no"):
         return "PIPELINE_NATIVE_ATTENTION is off"
-    if "avx2" not in _cpu_identity().split():
+    if "avx2" not in cpu_identity().split():
         return "this CPU has no AVX2"
     if c_compiler() is None:
         return "no C compiler ($CC, gcc or cc) is installed"
@@ -195,32 +172,10 @@ def _kernel_or_reason(head_dim: int, group: int, block_size: int, kv_dtype: torc
                 f"and query heads per KV head ({group}) at most {MAX_GROUP}")
     if kv_dtype not in KV_DTYPES:
         return f"KV pools in {kv_dtype} (the kernel reads {' or '.join(map(str, KV_DTYPES))})"
-    compiler = c_compiler()
     defines = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}",
                *([_DEFINES[kv_dtype]] if kv_dtype in _DEFINES else []))
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, *FLAGS, *defines,
-                                    _cpu_identity()]).encode()).hexdigest()[:20]
-    library = cache_dir() / f"cpu_attention-{key}.so"
     try:
-        if not library.exists():
-            _build(compiler, defines, library)
+        library = built_library(c_compiler(), SOURCE, defines)
         return PagedDecodeKernel(ctypes.CDLL(str(library)), head_dim, group, block_size, kv_dtype)
     except (OSError, subprocess.SubprocessError) as e:
-        return f"building or loading {library} failed: {e}"
-
-
-def _build(compiler: str, defines: tuple[str, ...], library: Path) -> None:
-    """Compile to a temporary name, then rename: concurrent jobs sharing the cache never see half a file."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, *defines, str(SOURCE), "-o", tmp, "-lm"],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise OSError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, library)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        return f"building or loading {SOURCE.name} failed: {e}"

@@ -20,7 +20,9 @@ GFLOP/s.
 
 The packed weight is an opaque oneDNN tensor that `torch.compile` cannot take as a graph input. Modules
 hold a 0-d int64 handle instead, and the `pipeline::int8_packed_products` operator looks the weight up by
-it: every decoder layer keeps sharing one compiled graph, the handle being an input like the weights.
+it: every decoder layer keeps sharing one compiled graph, the handle being an input like the weights. The
+native VNNI GEMM (`kernels.cpu_int8_gemm`), which takes and gives the same, packs its weights behind the
+same handles (`pack_native_int8_weight`), so the rest of the model does not know which GEMM runs.
 """
 
 from __future__ import annotations
@@ -31,11 +33,27 @@ import weakref
 
 import torch
 
+from kernels.cpu_int8_gemm import NativeInt8Weight
 from kernels.ops import define_op
 
-# handle -> (packed weight, weight zero points [N] (zeros), int8 weight bytes); an entry lives as long as the
-# module that packed it
-_packed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+class OneDNNWeight:
+    """An int8 weight [N, K] packed by oneDNN (`onednn::qlinear_prepack`)."""
+
+    name = "oneDNN packed"
+
+    def __init__(self, qweight: torch.Tensor):
+        self.packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None)
+        self.zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
+
+    def products(self, u: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+        """uint8 activations u [M, K] (`uint8_activations`) times the weight: float32 sums x wscale [N]."""
+        return _run_packed(u, wscale, self.packed, self.zero_points)
+
+
+# handle -> (packed weight: a OneDNNWeight or a `kernels.cpu_int8_gemm.NativeInt8Weight`, int8 weight bytes); an
+# entry lives as long as the module that packed it
+_packed: dict[int, tuple[OneDNNWeight | NativeInt8Weight, int]] = {}
 _handles = itertools.count()
 
 
@@ -69,11 +87,26 @@ def pack_int8_weight(owner: object, qweight: torch.Tensor) -> torch.Tensor:
     if qweight.numel() and max(-int(qweight.min()), int(qweight.max())) > bound:
         raise RuntimeError(f"this CPU's packed int8 GEMM is exact for |weight| <= {bound} only (int16 pair "
                            "sums, no VNNI): quantize the weight to that bound")
-    packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None)
+    return _register(owner, OneDNNWeight(qweight), qweight.numel())
+
+
+def pack_native_int8_weight(owner: object, qweight: torch.Tensor) -> torch.Tensor:
+    """Pack qweight int8 [N, K] for the native GEMM (`kernels.cpu_int8_gemm`) and return its handle, as
+    `pack_int8_weight` does for oneDNN's. Raises RuntimeError where that kernel cannot run."""
+    return _register(owner, NativeInt8Weight(qweight), qweight.numel())
+
+
+def _register(owner: object, weight: OneDNNWeight | NativeInt8Weight, nbytes: int) -> torch.Tensor:
+    """A handle (a 0-d int64 tensor) for a packed weight, which is freed with `owner`."""
     key = next(_handles)
-    _packed[key] = (packed, torch.zeros(qweight.shape[0], dtype=torch.long), qweight.numel())
+    _packed[key] = (weight, nbytes)
     weakref.finalize(owner, _packed.pop, key, None)
     return torch.tensor(key, dtype=torch.long)
+
+
+def packed_gemm_name(handle: torch.Tensor) -> str:
+    """Which GEMM a packed weight's handle runs on (its class's `name`)."""
+    return _packed[int(handle)][0].name
 
 
 def release_packed(handle: torch.Tensor) -> None:
@@ -83,7 +116,7 @@ def release_packed(handle: torch.Tensor) -> None:
 
 def packed_bytes(handle: torch.Tensor) -> int:
     """The int8 weight bytes a handle stands for (oneDNN's blocked copy holds as many, plus padding)."""
-    return _packed[int(handle)][2]
+    return _packed[int(handle)][1]
 
 
 def uint8_activations(q: torch.Tensor) -> torch.Tensor:
@@ -101,10 +134,9 @@ def _run_packed(u: torch.Tensor, wscale: torch.Tensor, packed: torch.Tensor, zer
 
 
 def _packed_products(u: torch.Tensor, wscale: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
-    packed, zero_points, _ = _packed[int(handle)]
     if u.shape[0] == 0:
         return u.new_empty((0, wscale.shape[0]), dtype=torch.float32)
-    return _run_packed(u, wscale, packed, zero_points)
+    return _packed[int(handle)][0].products(u, wscale)
 
 
 def _products_shape(u: torch.Tensor, wscale: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""W8A8 on CPU: `torch._int_mm` on the plain int8 weights, or oneDNN's GEMM on weights packed once
-(`kernels.int8_cpu`), whichever runs this model's products faster on this CPU, timed at load.
+"""W8A8 on CPU: `torch._int_mm` on the plain int8 weights, oneDNN's GEMM on weights packed once
+(`kernels.int8_cpu`) or our own VNNI GEMM on weights packed into its panels (`kernels.cpu_int8_gemm`),
+whichever runs this model's products faster on this CPU, timed at load.
 
 Which wins depends on the CPU. For SmolLM2 at 256 rows, an AMX Xeon ran a step's layer products in 29 ms
 packed against 44 ms through `torch._int_mm`, and the LM head in 6.3 against 15.3 ms; an AVX-512 VNNI Xeon
 without AMX ran the layers slower packed (81 against 64 ms) but the head faster (17.6 against 22.9). So the
-layers and the head are timed and chosen apart. Both GEMMs give the same bits
-(`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
+layers and the head are timed and chosen apart. On a Zen 4 (AVX-512 VNNI, no AMX) the native GEMM ran a
+64-row step's layer products 1.37x faster than either of oneDNN's (docs/performance.md). All three give the
+same bits (`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
 
 What is timed: the part's W8A8 weights once each (of the layers, the first TIMED_LAYERS'), at TIMED_ROWS
 rows of random int8 activations, as a step runs them (the weights streaming one after another, not one
@@ -26,8 +28,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kernels.cpu_int8_gemm import NativeInt8Weight
+from kernels.cpu_int8_gemm import unavailable_reason as native_unavailable
 from kernels.dispatch import as_products, int8_outputs
-from kernels.int8_cpu import pack_int8_weight, release_packed, uint8_activations
+from kernels.int8_cpu import (
+    OneDNNWeight,
+    pack_int8_weight,
+    pack_native_int8_weight,
+    packed_gemm_name,
+    release_packed,
+    uint8_activations,
+)
 from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.stopwatch import alternating_best, best_seconds
 
@@ -37,7 +48,8 @@ TIMED_ROWS = 128  # a compute-bound batch, where W8A8 runs
 TIMED_LAYERS = 4
 ROUNDS = 3  # alternating rounds; each GEMM's figure is the median of its rounds' best
 REPS = 2
-PLAIN, PACKED = "torch._int_mm", "oneDNN packed"
+PLAIN, PACKED, NATIVE = "torch._int_mm", OneDNNWeight.name, NativeInt8Weight.name
+PACKERS = {PACKED: pack_int8_weight, NATIVE: pack_native_int8_weight}
 SCREEN_CHANNELS = 256  # output channels of the weight slice the screening call runs on
 # A packed call this many times slower than the plain one on the slice is a fallback kernel (the reference
 # kernel ran ~1,300x slower on a Zen 4), not a tuned one losing by a margin
@@ -57,42 +69,58 @@ def int8_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
 
 
 def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]:
-    """Time both GEMMs on each part's own weights (`int8_parts`; of the layers, the first TIMED_LAYERS'),
-    keep the faster (packing the weights, the plain int8 copies freed, where oneDNN's wins) and return
-    {part: the GEMM chosen and its figures}."""
+    """Time the GEMMs this CPU has (`torch._int_mm`, oneDNN's packed one, the native VNNI one) on each part's
+    own weights (`int8_parts`; of the layers, the first TIMED_LAYERS'), keep the fastest (packing the
+    weights, the plain int8 copies freed, where a packed GEMM wins) and return {part: the GEMM chosen, the
+    figures, and why any GEMM was not timed}."""
     chosen = {}
     with torch.inference_mode():
         for part, modules in int8_parts(model).items():
             if any(m.int8_layout[2] is not None for m in modules):
-                chosen[part] = PACKED
+                chosen[part] = packed_gemm_name(next(m.int8_layout[2] for m in modules if m.int8_layout[2] is not None))
                 continue
             timed = _timed(model, part, modules)
-            try:
-                slow = _screened_out(timed[0], rows)  # a failing oneDNN kernel shows here, before any timing
-            except RuntimeError as e:
-                chosen[part] = f"{PLAIN} (no packed oneDNN GEMM here: {str(e).splitlines()[0]})"
-                continue
-            if slow:
-                chosen[part] = f"{PLAIN} ({slow})"
-                continue
-            handles = [pack_int8_weight(m, m.int8_layout[0]) for m in timed]
-            plain = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], None) for m in timed])
-            packed = gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
-            plain_s, packed_s = alternating_best((plain, packed), ROUNDS, REPS)
-            figures = (f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.2f} plain for {len(timed)} of its "
-                       f"{len(modules)} weights at {rows} rows")
-            if packed_s < plain_s:
-                for m, handle in zip(timed, handles):
-                    m.use_packed_int8(handle)
-                for m in modules:
-                    if m.int8_layout[2] is None:
-                        m.use_packed_int8(pack_int8_weight(m, m.int8_layout[0]))
-                chosen[part] = f"{PACKED} ({figures})"
-            else:
-                for handle in handles:
-                    release_packed(handle)
-                chosen[part] = f"{PLAIN} ({figures})"
+            candidates, notes = _packed_candidates(timed, rows)
+            names = [PLAIN, *candidates]
+            passes = [gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
+                      for handles in [[None] * len(timed), *candidates.values()]]
+            seconds = alternating_best(passes, ROUNDS, REPS) if candidates else [0.0]
+            winner = names[min(range(len(names)), key=seconds.__getitem__)]
+            for name, handles in candidates.items():
+                if name == winner:
+                    for m, handle in zip(timed, handles):
+                        m.use_packed_int8(handle)
+                    for m in modules:
+                        if m.int8_layout[2] is None:
+                            m.use_packed_int8(PACKERS[name](m, m.int8_layout[0]))
+                else:
+                    for handle in handles:
+                        release_packed(handle)
+            if candidates:
+                notes.insert(0, ", ".join(f"{t * 1e3:.2f} ms {name}" for name, t in zip(names, seconds)) +
+                             f" for {len(timed)} of its {len(modules)} weights at {rows} rows")
+            chosen[part] = f"{winner} ({'; '.join(notes)})"
     return chosen
+
+
+def _packed_candidates(timed: list[nn.Module], rows: int) -> tuple[dict[str, list[torch.Tensor]], list[str]]:
+    """The packed GEMMs worth timing against `torch._int_mm` on these modules, each with the modules'
+    weights packed for it (handles), and why any other was left out."""
+    candidates, notes = {}, []
+    try:
+        slow = _screened_out(timed[0], rows)  # a failing oneDNN kernel shows here, before any timing
+    except RuntimeError as e:
+        slow = f"no packed oneDNN GEMM here: {str(e).splitlines()[0]}"
+    if slow:
+        notes.append(slow)
+    else:
+        candidates[PACKED] = [pack_int8_weight(m, m.int8_layout[0]) for m in timed]
+    why_not = native_unavailable()
+    if why_not:
+        notes.append(f"no {NATIVE} GEMM: {why_not}")
+    else:
+        candidates[NATIVE] = [pack_native_int8_weight(m, m.int8_layout[0]) for m in timed]
+    return candidates, notes
 
 
 def _screened_out(module: nn.Module, rows: int) -> str | None:

@@ -1,5 +1,5 @@
 """Measure "this CPU" for the roofline in a few seconds: memory bandwidth, fp32 / bf16 matmul peaks, the
-int8 GEMM peak (the faster of `torch._int_mm` and oneDNN's packed GEMM, what W8A8 linears run) and whether
+int8 GEMM peak (the fastest of `torch._int_mm`, oneDNN's packed GEMM and ours, what W8A8 linears run) and whether
 bfloat16 is native.
 
 Bandwidth is a STREAM-style triad (a = b + s*c over arrays far larger than the caches, 3 arrays moved per
@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from kernels.dispatch import w8a8_weight_bound
-from kernels.int8_cpu import pack_int8_weight, packed_int8_products, release_packed, uint8_activations
+from kernels.int8_cpu import (
+    pack_int8_weight,
+    pack_native_int8_weight,
+    packed_int8_products,
+    release_packed,
+    uint8_activations,
+)
 from kernels.wq_cpu import native_bf16, weight_only_kernels_fast
 from pipeline.config import CONF_DIR
 from pipeline.errors import JobError
@@ -80,24 +86,25 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5, min_se
 
 def measure_int8_gemms(n: int = 1024, reps: int = 5, min_seconds: float = MIN_SECONDS) -> dict[str, float]:
     """Integer OP/s of an n x n x n int8 GEMM (int32 sums) each way W8A8 linears run on CPU: "_int_mm"
-    (`torch._int_mm`) and "packed" (oneDNN's GEMM on a weight packed once, `kernels.int8_cpu`; absent where
-    there is none), the weights within the bound W8A8 quantizes them to on this CPU. The model keeps the
-    faster at load; without VNNI `torch._int_mm` ran ~50x slower than the packed GEMM (4 against ~220 GOP/s
-    on a Zen 3)."""
+    (`torch._int_mm`), "packed" (oneDNN's GEMM on a weight packed once, `kernels.int8_cpu`) and "native"
+    (the VNNI GEMM of `kernels.cpu_int8_gemm`), the last two absent where they cannot run, the weights within
+    the bound W8A8 quantizes them to on this CPU. The model keeps the fastest at load; without VNNI
+    `torch._int_mm` ran ~50x slower than the packed GEMM (4 against ~220 GOP/s on a Zen 3)."""
     bound = w8a8_weight_bound(torch.device("cpu"))
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-bound, bound + 1, (n, n), dtype=torch.int8)
     ops = 2 * n**3
     figures = {"_int_mm": ops / best_seconds(lambda: torch._int_mm(a, b.t()), reps, min_seconds)}
-    try:
-        handle = pack_int8_weight(b, b)
-    except RuntimeError:
-        return figures
     scales, u = torch.ones(n), uint8_activations(a)  # as steps pass them (`kernels.int8_cpu`)
-    try:
-        figures["packed"] = ops / best_seconds(lambda: packed_int8_products(u, scales, handle), reps, min_seconds)
-    finally:
-        release_packed(handle)
+    for name, pack in (("packed", pack_int8_weight), ("native", pack_native_int8_weight)):
+        try:
+            handle = pack(b, b)
+        except RuntimeError:
+            continue
+        try:
+            figures[name] = ops / best_seconds(lambda h=handle: packed_int8_products(u, scales, h), reps, min_seconds)
+        finally:
+            release_packed(handle)
     return figures
 
 

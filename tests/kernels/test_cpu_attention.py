@@ -10,6 +10,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.cpu_attention import NativeKernelUnavailable, dequantize_kv, load_paged_decode, quantize_kv
+from kernels.native_build import cpu_identity
 from kernels.paged_attention_reference import attention_part, gather_keys, paged_decode_reference
 from pipeline.engine.runner import PagedAttention, StepBatch
 
@@ -117,7 +118,7 @@ def test_int8_scores_only_keys_from_first_to_len():
 
 def test_int8_scores_are_integer_where_avx512_builds():
     """The integer score path is compiled in wherever the CPU has AVX-512 BW (and only for int8 pools)."""
-    flags = cpu_attention._cpu_identity().split()
+    flags = cpu_identity().split()
     assert kernel_or_skip(64, 3, 16, torch.int8).integer_scores == ("avx512bw" in flags)
     assert not kernel_or_skip(64, 3, 16, torch.float32).integer_scores
 

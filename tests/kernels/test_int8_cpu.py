@@ -1,4 +1,5 @@
-"""oneDNN's packed int8 GEMM (`kernels.int8_cpu`) against `torch._int_mm`'s int32 sums, bit for bit."""
+"""The packed int8 GEMMs (oneDNN's, `kernels.int8_cpu`, and the native VNNI one, `kernels.cpu_int8_gemm`)
+against exact integer sums and `torch._int_mm`'s, bit for bit."""
 
 from __future__ import annotations
 
@@ -7,12 +8,32 @@ import gc
 import pytest
 import torch
 
-from kernels import int8_cpu
+from kernels import cpu_int8_gemm, int8_cpu
 from kernels.dispatch import int8_products, w8a8_matmul
-from kernels.int8_cpu import pack_int8_weight, packed_bytes, packed_int8_products, release_packed
+from kernels.int8_cpu import (
+    pack_int8_weight,
+    pack_native_int8_weight,
+    packed_bytes,
+    packed_gemm_name,
+    packed_int8_products,
+    release_packed,
+)
 from pipeline.model.llama import cpp_compiler
 
-SHAPES = [(0, 40, 96), (1, 40, 96), (3, 70, 160), (17, 33, 192), (64, 96, 576), (130, 576, 960)]
+# rows, inputs, outputs: rows past whole 8-row tiles, inputs past whole groups of 4, outputs past whole
+# 48-channel panels (the native kernel's edges), and SmolLM2's shapes
+SHAPES = [(0, 40, 96), (1, 40, 96), (3, 70, 160), (17, 33, 192), (9, 37, 49), (64, 96, 576), (130, 576, 960),
+          (64, 1536, 576)]
+
+
+def _native(owner: object, qweight: torch.Tensor) -> torch.Tensor:
+    why = cpu_int8_gemm.unavailable_reason()
+    if why:
+        pytest.skip(f"no native int8 GEMM here: {why}")
+    return pack_native_int8_weight(owner, qweight)
+
+
+PACKERS = [pytest.param(pack_int8_weight, id="onednn"), pytest.param(_native, id="native")]
 
 
 class Owner:
@@ -27,12 +48,13 @@ def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.rand(n, 1, generator=gen) / 100 + 1e-4
 
 
+@pytest.mark.parametrize("pack", PACKERS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_packed_products_are_the_int32_sums_times_the_column_scales_bit_for_bit(m, k, n):
+def test_packed_products_are_the_int32_sums_times_the_column_scales_bit_for_bit(m, k, n, pack):
     qweight, scales = _weight(n, k, seed=m + n)
     x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k))
     owner = Owner()
-    handle = pack_int8_weight(owner, qweight)
+    handle = pack(owner, qweight)
     sums = (x.long() @ qweight.long().T).float()  # exact: |sums| < 2^24 for these sizes
     y = packed_int8_products(x, scales.reshape(-1), handle)
     assert y.dtype == torch.float32 and y.shape == (m, n)
@@ -42,23 +64,25 @@ def test_packed_products_are_the_int32_sums_times_the_column_scales_bit_for_bit(
     assert packed_bytes(handle) == n * k
 
 
-def test_w8a8_matmul_on_the_packed_weight_equals_the_plain_one():
+@pytest.mark.parametrize("pack", PACKERS)
+def test_w8a8_matmul_on_the_packed_weight_equals_the_plain_one(pack):
     qweight, scales = _weight(160, 70, seed=1)
     x = torch.randn(2, 5, 70, generator=torch.Generator().manual_seed(2))
     owner = Owner()
-    packed = w8a8_matmul(x, None, scales, pack_int8_weight(owner, qweight))
+    packed = w8a8_matmul(x, None, scales, pack(owner, qweight))
     assert packed.shape == (2, 5, 160)
     assert torch.equal(packed, w8a8_matmul(x, qweight, scales))
 
 
-def test_compiled_calls_take_the_weight_by_handle_in_one_graph():
+@pytest.mark.parametrize("pack", PACKERS)
+def test_compiled_calls_take_the_weight_by_handle_in_one_graph(pack):
     """Two weights of one shape through one compiled function: the handle is an input, so the second
     weight reuses the graph, and each call multiplies by its own weight."""
     if cpp_compiler() is None:
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     owner = Owner()
     weights = [_weight(96, 64, seed=s) for s in (3, 4)]
-    handles = [pack_int8_weight(owner, q) for q, _ in weights]
+    handles = [pack(owner, q) for q, _ in weights]
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
 
     def linear(x: torch.Tensor, scales: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
@@ -75,11 +99,12 @@ def test_compiled_calls_take_the_weight_by_handle_in_one_graph():
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_a_packed_weight_goes_with_its_owner_or_when_released():
+@pytest.mark.parametrize("pack", PACKERS)
+def test_a_packed_weight_goes_with_its_owner_or_when_released(pack):
     owner, other = Owner(), Owner()
     qweight, _ = _weight(8, 16, seed=6)
-    kept = pack_int8_weight(owner, qweight)
-    released = pack_int8_weight(other, qweight)
+    kept = pack(owner, qweight)
+    released = pack(other, qweight)
     release_packed(released)
     assert int(released) not in int8_cpu._packed and int(kept) in int8_cpu._packed
     del owner
@@ -89,9 +114,55 @@ def test_a_packed_weight_goes_with_its_owner_or_when_released():
     gc.collect()
 
 
-def test_packing_names_what_it_cannot_take():
+@pytest.mark.parametrize("pack", PACKERS)
+def test_packing_names_what_it_cannot_take(pack):
     with pytest.raises(RuntimeError, match=r"int8 \[N, K\] weight, got torch.float32"):
-        pack_int8_weight(Owner(), torch.randn(4, 8))
+        pack(Owner(), torch.randn(4, 8))
+
+
+def test_each_handle_names_its_gemm():
+    qweight, _ = _weight(8, 16, seed=7)
+    owner = Owner()
+    assert packed_gemm_name(pack_int8_weight(owner, qweight)) == "oneDNN packed"
+    assert packed_gemm_name(_native(owner, qweight)) == "native VNNI"
+
+
+def test_the_native_gemm_is_exact_at_the_extremes_and_on_strided_rows():
+    """The largest sums its int32 lanes hold for SmolLM2-sized inputs (activations at both ends of uint8,
+    weights at +-127), and rows read from a wider buffer in place."""
+    k = 1536
+    x = torch.full((11, k), 127, dtype=torch.int8)
+    x[1::2] = -128  # uint8 0: the zero point's whole correction
+    qweight = torch.full((50, k), 127, dtype=torch.int8)
+    qweight[1::3] = -127
+    owner = Owner()
+    handle = _native(owner, qweight)
+    expected = (x.long() @ qweight.long().T).float()
+    assert torch.equal(packed_int8_products(x, torch.ones(50), handle), expected)
+    wide = torch.zeros(11, k + 40, dtype=torch.uint8)
+    wide[:, 8 : 8 + k] = int8_cpu.uint8_activations(x)
+    assert torch.equal(packed_int8_products(wide[:, 8 : 8 + k], torch.ones(50), handle), expected)
+
+
+def test_the_native_gemm_names_what_it_cannot_multiply():
+    qweight, scales = _weight(20, 16, seed=8)
+    owner = Owner()
+    native = int8_cpu._packed[int(_native(owner, qweight))][0]
+    with pytest.raises(ValueError, match=r"uint8 activations \[M, 16\], got torch.int8"):
+        native.products(torch.zeros(3, 16, dtype=torch.int8), scales.reshape(-1))
+    with pytest.raises(ValueError, match="20 column scales, got 19"):
+        native.products(torch.zeros(3, 16, dtype=torch.uint8), scales.reshape(-1)[:19])
+
+
+def test_the_native_gemm_says_why_it_is_off(monkeypatch):
+    monkeypatch.setenv("PIPELINE_NATIVE_GEMM", "off")
+    cpu_int8_gemm._library_or_reason.cache_clear()
+    try:
+        assert cpu_int8_gemm.unavailable_reason() == "PIPELINE_NATIVE_GEMM is off"
+        with pytest.raises(RuntimeError, match="no native int8 GEMM: PIPELINE_NATIVE_GEMM is off"):
+            pack_native_int8_weight(Owner(), torch.zeros(4, 8, dtype=torch.int8))
+    finally:
+        cpu_int8_gemm._library_or_reason.cache_clear()
 
 
 def test_the_weight_bound_is_exact_in_the_worst_case_and_full_range_weights_beyond_it_would_not_be():

@@ -8,50 +8,67 @@ import re
 import pytest
 import torch
 
-from kernels import int8_cpu
+from kernels import cpu_int8_gemm, int8_cpu
+from kernels.int8_cpu import packed_gemm_name
 from pipeline.model import int8_gemm
-from pipeline.model.int8_gemm import PACKED, PLAIN, int8_parts
+from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, int8_parts
 from pipeline.model.llama import cpp_compiler
 from pipeline.model.loader import load_model
 from tests.reference import greedy_decode, prompt_logits
 
 IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
 PROMPTS = [IDS, IDS[:5], [1, 77, 5000, 12, 900, 33, 2, 8]]
+NATIVE_OFF = "off in this test"
 
 
-def _scripted(monkeypatch, packed_faster: dict[str, bool]) -> None:
-    """Timings where the packed GEMM wins exactly for the parts marked True (in the order timed)."""
-    verdicts = iter(packed_faster.values())
+def _scripted(monkeypatch, winners: dict[str, str], native: bool = False) -> None:
+    """Timings where each part's winner (in the order the parts are timed) is the fastest; the native GEMM
+    is a candidate only with `native` (skipped where this CPU has none)."""
+    why = cpu_int8_gemm.unavailable_reason()
+    if native and why:
+        pytest.skip(f"no native int8 GEMM here: {why}")
+    monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: None if native else NATIVE_OFF)
+    names = [PLAIN, PACKED, NATIVE]
+    verdicts = iter(winners.values())
     monkeypatch.setattr(int8_gemm, "best_seconds", lambda fn, reps: 1.0)  # the screening calls tie
-    monkeypatch.setattr(int8_gemm, "alternating_best",
-                        lambda fns, rounds, reps: [2.0, 1.0] if next(verdicts) else [1.0, 2.0])
+    monkeypatch.setattr(int8_gemm, "alternating_best", lambda fns, rounds, reps: (
+        lambda winner: [1.0 if name == winner else 2.0 for name in names[: len(fns)]])(next(verdicts)))
 
 
 def _load(tiny_model_dir, **load):
     return load_model(tiny_model_dir, quant="w8a8", quant_lm_head="int8", **load)
 
 
-@pytest.mark.parametrize("packed_faster", [{"layers": True, "lm_head": True}, {"layers": True, "lm_head": False},
-                                           {"layers": False, "lm_head": True}, {"layers": False, "lm_head": False}])
-def test_each_part_keeps_the_faster_gemm_and_the_logits_stay_bit_for_bit(tiny_model_dir, monkeypatch, packed_faster):
-    _scripted(monkeypatch, {"layers": False, "lm_head": False})
+@pytest.mark.parametrize("winners", [{"layers": PACKED, "lm_head": PACKED}, {"layers": PACKED, "lm_head": PLAIN},
+                                     {"layers": PLAIN, "lm_head": PACKED}, {"layers": PLAIN, "lm_head": PLAIN},
+                                     {"layers": NATIVE, "lm_head": PACKED}, {"layers": PLAIN, "lm_head": NATIVE}])
+def test_each_part_keeps_the_fastest_gemm_and_the_logits_stay_bit_for_bit(tiny_model_dir, monkeypatch, winners):
+    _scripted(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN})
     plain = _load(tiny_model_dir)
     assert all(m.int8_layout[2] is None for part in int8_parts(plain.model).values() for m in part)
-    _scripted(monkeypatch, packed_faster)
+    native = NATIVE in winners.values()
+    _scripted(monkeypatch, winners, native=native)
     monkeypatch.setattr(int8_gemm, "TIMED_LAYERS", 1)  # of the tiny model's 2: the other is packed untimed
+    before = set(int8_cpu._packed)
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
     assert list(chosen) == ["layers", "lm_head"]
     linears = len(int8_parts(loaded.model)["layers"])
     assert f"for {linears // 2} of its {linears} weights" in chosen["layers"] and "for 1 of its 1" in chosen["lm_head"]
     for part, modules in int8_parts(loaded.model).items():
-        assert chosen[part].startswith(PACKED if packed_faster[part] else PLAIN), chosen[part]
+        winner = winners[part]
+        assert chosen[part].startswith(f"{winner} ("), chosen[part]
+        assert f"1000.00 ms {winner}" in chosen[part] and "2000.00 ms" in chosen[part]
+        assert (f"ms {NATIVE}" in chosen[part]) == native and (f"no {NATIVE} GEMM: {NATIVE_OFF}" in chosen[part]) != native
         for m in modules:
             weight, _, handle = m.int8_layout
-            assert (weight is None) == packed_faster[part] and (handle is not None) == packed_faster[part]
-    handles = sum(m.int8_layout[2] is not None for part in int8_parts(loaded.model).values() for m in part)
+            assert (weight is None) == (winner != PLAIN) and (handle is not None) == (winner != PLAIN)
+            assert handle is None or packed_gemm_name(handle) == winner
+    handles = [m.int8_layout[2] for part in int8_parts(loaded.model).values() for m in part]
+    handles = [int(h) for h in handles if h is not None]
+    assert set(int8_cpu._packed) - before == set(handles)  # the losers' packed copies are freed
     # each packed copy replaces a plain one and is counted as its bytes; the handles are 8 bytes each
-    assert loaded.weight_bytes == plain.weight_bytes + 8 * handles
+    assert loaded.weight_bytes == plain.weight_bytes + 8 * len(handles)
     assert torch.equal(prompt_logits(loaded.model, IDS), prompt_logits(plain.model, IDS))
     assert greedy_decode(loaded.model, PROMPTS, 5) == greedy_decode(plain.model, PROMPTS, 5)
 
@@ -60,19 +77,20 @@ def test_compiled_steps_on_packed_weights_equal_those_on_plain_ones(tiny_model_d
     if cpp_compiler() is None:
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     models = {}
-    for packed in (False, True):
-        _scripted(monkeypatch, {"layers": packed, "lm_head": packed})
-        models[packed] = _load(tiny_model_dir).model
-        models[packed].compile_layers()
-    assert torch.equal(prompt_logits(models[True], IDS), prompt_logits(models[False], IDS))
-    assert greedy_decode(models[True], PROMPTS, 5) == greedy_decode(models[False], PROMPTS, 5)
+    for gemm in (PLAIN, PACKED, NATIVE):
+        _scripted(monkeypatch, {"layers": gemm, "lm_head": gemm}, native=gemm == NATIVE)
+        models[gemm] = _load(tiny_model_dir).model
+        models[gemm].compile_layers()
+    for gemm in (PACKED, NATIVE):
+        assert torch.equal(prompt_logits(models[gemm], IDS), prompt_logits(models[PLAIN], IDS))
+        assert greedy_decode(models[gemm], PROMPTS, 5) == greedy_decode(models[PLAIN], PROMPTS, 5)
 
 
 def test_a_measured_loser_is_freed_and_its_plain_weights_kept(tiny_model_dir, monkeypatch):
-    _scripted(monkeypatch, {"layers": False, "lm_head": False})
+    _scripted(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN}, native=cpu_int8_gemm.unavailable_reason() is None)
     before = set(int8_cpu._packed)
     loaded = _load(tiny_model_dir)
-    assert set(int8_cpu._packed) == before
+    assert set(int8_cpu._packed) <= before
     assert all(m.int8_layout[0] is not None for part in int8_parts(loaded.model).values() for m in part)
 
 
@@ -81,9 +99,11 @@ def test_without_a_packed_kernel_every_part_stays_on_int_mm(tiny_model_dir, monk
         raise RuntimeError("could not create a primitive descriptor for the matmul primitive\nmore detail")
 
     monkeypatch.setattr(int8_gemm, "pack_int8_weight", unavailable)
+    monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: NATIVE_OFF)
     loaded = _load(tiny_model_dir)
     assert loaded.model.kernel_choice.int8_gemm == {
-        part: f"{PLAIN} (no packed oneDNN GEMM here: could not create a primitive descriptor for the matmul primitive)"
+        part: f"{PLAIN} (no packed oneDNN GEMM here: could not create a primitive descriptor for the matmul "
+              f"primitive; no {NATIVE} GEMM: {NATIVE_OFF})"
         for part in ("layers", "lm_head")}
     assert greedy_decode(loaded.model, PROMPTS, 3)  # runs
 
@@ -100,24 +120,31 @@ def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_mo
 
     monkeypatch.setattr(int8_gemm, "best_seconds", screening_call)
     monkeypatch.setattr(int8_gemm, "alternating_best", full_timing)
+    monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: NATIVE_OFF)
     before = set(int8_cpu._packed)
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
     assert len(screened) == 4  # one call of each GEMM for each of the two parts
     for text in chosen.values():
         assert re.fullmatch(r"torch\._int_mm \(50000\.00 ms packed vs 1000\.000 plain for \d+ channels of one "
-                            r"weight at 128 rows: a fallback kernel, not timed further\)", text), text
-    assert set(int8_cpu._packed) == before  # the screening slices' packed copies are freed
+                            r"weight at 128 rows: a fallback kernel, not timed further; no native VNNI GEMM: "
+                            r"off in this test\)", text), text
+    assert set(int8_cpu._packed) <= before  # the screening slices' packed copies are freed
     assert all(m.int8_layout[2] is None for part in int8_parts(loaded.model).values() for m in part)
 
 
-def test_the_measurement_times_both_gemms_on_the_models_own_weights(tiny_model_dir):
-    """Unscripted: whichever wins on this machine, its figures (or why there is no packed GEMM) are given."""
+def test_the_measurement_times_each_gemm_on_the_models_own_weights(tiny_model_dir):
+    """Unscripted: whichever wins on this machine, the figures of every GEMM timed (and why any other was
+    not) are given."""
     chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
     assert set(chosen) == {"layers", "lm_head"}
+    gemm = r"(torch\._int_mm|oneDNN packed|native VNNI)"
     for text in chosen.values():
-        assert re.fullmatch(r"(oneDNN packed|torch\._int_mm) \([\d.]+ ms packed vs [\d.]+ plain "
-                            r"for (\d+) of its (\d+) weights at 128 rows\)"
-                            r"|torch\._int_mm \([\d.]+ ms packed vs [\d.]+ plain for \d+ channels of one weight "
-                            r"at 128 rows: a fallback kernel, not timed further\)"
-                            r"|torch\._int_mm \(no packed oneDNN GEMM here: .+\)", text), text
+        timed = re.fullmatch(rf"{gemm} \(([\d.]+ ms {gemm}(?:, [\d.]+ ms {gemm})*) for \d+ of its \d+ weights at "
+                             r"128 rows(; .+)?\)", text)
+        if timed is None:  # nothing to time against torch._int_mm: both reasons given
+            assert re.fullmatch(r"torch\._int_mm \(.+; no native VNNI GEMM: .+\)", text), text
+            continue
+        figures = {name: float(ms) for ms, name in re.findall(rf"([\d.]+) ms {gemm}", timed.group(2))}
+        assert timed.group(1) == min(figures, key=figures.get) and PLAIN in figures
+        assert (NATIVE in figures) == (cpu_int8_gemm.unavailable_reason() is None)

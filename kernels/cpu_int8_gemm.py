@@ -1,0 +1,99 @@
+"""The native W8A8 GEMM for CPUs with AVX-512 VNNI (`kernels/cpu_int8_gemm.c`), on a weight packed once
+into its panels.
+
+It takes what oneDNN's packed GEMM takes (uint8 activations with zero point 128, `kernels.int8_cpu`) and
+gives the same bits: float32 exact int32 sums x the column's scale. Why a kernel of our own: at the row
+counts decode steps run (64-256), with a step's weights streaming from memory, oneDNN's int8 GEMMs
+(`torch._int_mm` and the packed one) reached 55-80% of this class of CPU's int8 peak, and 64 rows were the
+worst; one register tile of 8 rows x 48 channels looping over a packed panel does better there (figures in
+docs/performance.md). The model times it against oneDNN's at load and keeps the faster
+(`pipeline.model.int8_gemm`).
+
+Built by `kernels.native_build`; where it cannot run (no AVX-512 VNNI, no C compiler,
+`PIPELINE_NATIVE_GEMM=off`), `unavailable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kernels.native_build import built_library, c_compiler, cpu_identity
+
+SOURCE = Path(__file__).with_name("cpu_int8_gemm.c")
+PANEL = 48  # output channels per panel (NR in the C source)
+GROUP = 4  # k per vpdpbusd lane
+
+
+def unavailable_reason() -> str | None:
+    """Why the native GEMM cannot run here, or None."""
+    library = _library_or_reason()
+    return library if isinstance(library, str) else None
+
+
+@cache
+def _library_or_reason() -> ctypes.CDLL | str:
+    """Built and loaded once per process; a failure is remembered too."""
+    if os.environ.get("PIPELINE_NATIVE_GEMM", "").lower() in ("0", "off", "false", "no"):
+        return "PIPELINE_NATIVE_GEMM is off"
+    if "avx512_vnni" not in cpu_identity().split():
+        return "this CPU has no AVX-512 VNNI"
+    compiler = c_compiler()
+    if compiler is None:
+        return "no C compiler ($CC, gcc or cc) is installed"
+    try:
+        library = ctypes.CDLL(str(built_library(compiler, SOURCE)))
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"building or loading {SOURCE.name} failed: {e}"
+    if not library.int8_gemm_available():
+        return f"{compiler} built {SOURCE.name} without AVX-512 VNNI"
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.int8_gemm.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer]
+    library.int8_gemm.restype = None
+    library.int8_gemm_pack.argtypes = [pointer, size, size, pointer, pointer]
+    library.int8_gemm_pack.restype = None
+    return library
+
+
+class NativeInt8Weight:
+    """An int8 weight [N, K] in the kernel's panels, with each channel's zero-point correction
+    (128 x its weights' sum). Raises RuntimeError where the kernel cannot run (`unavailable_reason`)."""
+
+    name = "native VNNI"
+
+    def __init__(self, qweight: torch.Tensor):
+        library = _library_or_reason()
+        if isinstance(library, str):
+            raise RuntimeError(f"no native int8 GEMM: {library}")
+        if qweight.device.type != "cpu" or qweight.dtype != torch.int8 or qweight.dim() != 2:
+            raise RuntimeError(f"the native int8 GEMM takes a CPU int8 [N, K] weight, got {qweight.dtype} "
+                               f"{tuple(qweight.shape)} on {qweight.device}")
+        self._library = library
+        self.out_features, self.in_features = qweight.shape
+        qweight = qweight.contiguous()
+        panels, groups = -(-self.out_features // PANEL), -(-self.in_features // GROUP)
+        self.panels = torch.empty(panels * groups * PANEL * GROUP, dtype=torch.int8)
+        self.correction = torch.empty(self.out_features, dtype=torch.int32)
+        library.int8_gemm_pack(qweight.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr(),
+                               self.correction.data_ptr())
+
+    def products(self, u: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+        """u uint8 [M, K] (int8 activations + 128) times the weight: float32 [M, N], each exact int32 sum
+        times its column's scale wscale [N]."""
+        if u.dtype != torch.uint8 or u.dim() != 2 or u.shape[1] != self.in_features:
+            raise ValueError(f"expected uint8 activations [M, {self.in_features}], got {u.dtype} {tuple(u.shape)}")
+        if wscale.numel() != self.out_features:
+            raise ValueError(f"expected {self.out_features} column scales, got {wscale.numel()}")
+        if u.stride(1) != 1:
+            u = u.contiguous()
+        wscale = wscale.float().contiguous()
+        out = torch.empty(u.shape[0], self.out_features, dtype=torch.float32)
+        if u.shape[0]:
+            self._library.int8_gemm(u.data_ptr(), u.stride(0), u.shape[0], self.in_features, self.panels.data_ptr(),
+                                    self.correction.data_ptr(), wscale.data_ptr(), self.out_features, out.data_ptr())
+        return out

@@ -1,0 +1,66 @@
+"""Build the native CPU kernels (`kernels/*.c`) with the system C compiler, once per source, flags, compiler
+and CPU, into a shared library cached on disk and loaded through ctypes.
+
+Why this way: the kernels take raw pointers, so no torch headers and no extension toolchain are needed, and
+a build takes about a second. `-march=native` compiles for the CPU the job runs on; the cache key holds the
+CPU's model and flags, so a cache directory shared by different machines keeps one library per CPU. The
+libraries use the OpenMP runtime torch has already loaded, so they share torch's threads and their count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def c_compiler() -> str | None:
+    """$CC, else gcc, else cc, if installed."""
+    found = (shutil.which(name) for name in (os.environ.get("CC"), "gcc", "cc") if name)
+    return next((path for path in found if path), None)
+
+
+def cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model name and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown cpu"
+    return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(("model name", "flags"))))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels")
+
+
+def built_library(compiler: str, source: Path, defines: tuple[str, ...] = ()) -> Path:
+    """The shared library of `source` built with `defines`: found in the cache, else compiled into it.
+    Raises OSError (with the compiler's messages) or subprocess.SubprocessError where the build fails."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([source.read_text(), compiler, version, *FLAGS, *defines,
+                                    cpu_identity()]).encode()).hexdigest()[:20]
+    library = cache_dir() / f"{source.stem}-{key}.so"
+    if not library.exists():
+        _build(compiler, source, defines, library)
+    return library
+
+
+def _build(compiler: str, source: Path, defines: tuple[str, ...], library: Path) -> None:
+    """Compile to a temporary name, then rename: concurrent jobs sharing the cache never see half a file."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, *defines, str(source), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
