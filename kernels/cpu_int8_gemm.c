@@ -22,6 +22,7 @@
 #define MR 8
 #define NV 3 /* vectors of 16 channels per panel */
 #define NR (16 * NV)
+#define STREAM_BYTES (8 << 20)
 
 #ifdef __AVX512VNNI__
 
@@ -49,9 +50,10 @@ static inline void tile(const uint8_t *a, int64_t lda, const int8_t *panel, int6
     memcpy(out, acc, sizeof acc);
 }
 
-/* out[r][c] = (acc[r][c] - correction[c]) * scale[c] for rows r < rows, channels c < cols (of the panel). */
+/* out[r][c] = (acc[r][c] - correction[c]) * scale[c] for rows r < rows, channels c < cols (of the panel);
+ * `stream`: whole vectors bypass the caches (out and ldo aligned to 64 bytes). */
 static inline void store(__m512i acc[MR][NV], int rows, int cols, const int32_t *correction, const float *scale,
-                         float *out, int64_t ldo) {
+                         float *out, int64_t ldo, int stream) {
     for (int j = 0; j < NV; j++) {
         int left = cols - 16 * j;
         if (left <= 0)
@@ -61,7 +63,10 @@ static inline void store(__m512i acc[MR][NV], int rows, int cols, const int32_t 
         __m512 s = _mm512_maskz_loadu_ps(m, scale + 16 * j);
         for (int r = 0; r < rows; r++) {
             __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), s);
-            _mm512_mask_storeu_ps(out + r * ldo + 16 * j, m, y);
+            if (stream && left >= 16)
+                _mm512_stream_ps(out + r * ldo + 16 * j, y);
+            else
+                _mm512_mask_storeu_ps(out + r * ldo + 16 * j, m, y);
         }
     }
 }
@@ -84,6 +89,10 @@ void int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t
 #ifdef __AVX512VNNI__
     int64_t k4 = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
     int64_t padded = k4 * 4;
+    /* An output larger than the caches (an LM head's logits) is written with streaming stores: it will not be
+     * read again before it leaves the caches, and a plain store first reads each line it writes. On a Zen 4,
+     * SmolLM2's head at 256 rows: 16.8 ms against 19.4. */
+    int stream = m * n * (int64_t)sizeof(float) > STREAM_BYTES && n % 16 == 0 && (uintptr_t)out % 64 == 0;
 #pragma omp parallel
     {
         /* rows of a partial tile (or of a k that is not a multiple of 4), zero-padded */
@@ -104,9 +113,11 @@ void int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t
                 }
                 __m512i acc[MR][NV];
                 tile(a, stride, panel, k4, acc);
-                store(acc, rows, cols, correction + p * NR, scale + p * NR, out + t * MR * n + p * NR, n);
+                store(acc, rows, cols, correction + p * NR, scale + p * NR, out + t * MR * n + p * NR, n, stream);
             }
         }
+        if (stream)
+            _mm_sfence(); /* the streamed lines are visible before the caller reads them */
     }
 #else
     (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)n, (void)out;

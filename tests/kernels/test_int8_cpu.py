@@ -144,6 +144,18 @@ def test_the_native_gemm_is_exact_at_the_extremes_and_on_strided_rows():
     assert torch.equal(packed_int8_products(wide[:, 8 : 8 + k], torch.ones(50), handle), expected)
 
 
+@pytest.mark.parametrize("n", [49152, 49150])
+def test_the_native_gemm_streams_an_output_past_the_caches_to_the_same_bits(n):
+    """Outputs over 8 MB (an LM head's) are written with streaming stores where rows stay 64-byte aligned
+    (n a multiple of 16); otherwise with plain ones. Either way, the exact products."""
+    qweight, scales = _weight(n, 64, seed=9)
+    x = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(10))
+    owner = Owner()
+    y = packed_int8_products(x, scales.reshape(-1), _native(owner, qweight))
+    assert y.numel() * 4 > 8 << 20
+    assert torch.equal(y, (x.long() @ qweight.long().T).float() * scales.reshape(1, -1))
+
+
 def test_the_native_gemm_names_what_it_cannot_multiply():
     qweight, scales = _weight(20, 16, seed=8)
     owner = Owner()
