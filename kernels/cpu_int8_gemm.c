@@ -17,6 +17,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MR 8
@@ -83,45 +84,53 @@ int int8_gemm_available(void) {
 }
 
 /* out [m, n] float32 = ((u - 128) . W^T) * scale: u uint8 [m, k] (rows lda apart), the weight packed as
- * above with correction[c] = 128 * sum_k W[c][k] (int32 [n]) and scale float32 [n]. */
-void int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed, const int32_t *correction,
-               const float *scale, int64_t n, float *out) {
+ * above with correction[c] = 128 * sum_k W[c][k] (int32 [n]) and scale float32 [n]. Returns 0, or -1 where
+ * the padded copy of the rows below could not be allocated (nothing written). */
+int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed, const int32_t *correction,
+              const float *scale, int64_t n, float *out) {
 #ifdef __AVX512VNNI__
     int64_t k4 = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
     int64_t padded = k4 * 4;
+    /* Rows are read in place in whole tiles; the rows of a partial last tile (every row, where k is not a
+     * multiple of 4) are copied once into whole tiles padded with zeros (u = 128). */
+    int64_t in_place = padded == k ? m / MR * MR : 0;
+    uint8_t *spare = NULL;
+    if (in_place < m) {
+        size_t bytes = (size_t)((tiles - in_place / MR) * MR * padded);
+        spare = malloc(bytes);
+        if (spare == NULL)
+            return -1;
+        memset(spare, 128, bytes);
+        for (int64_t r = in_place; r < m; r++)
+            memcpy(spare + (r - in_place) * padded, u + r * lda, (size_t)k);
+    }
     /* An output larger than the caches (an LM head's logits) is written with streaming stores: it will not be
      * read again before it leaves the caches, and a plain store first reads each line it writes. On a Zen 4,
      * SmolLM2's head at 256 rows: 16.8 ms against 19.4. */
     int stream = m * n * (int64_t)sizeof(float) > STREAM_BYTES && n % 16 == 0 && (uintptr_t)out % 64 == 0;
 #pragma omp parallel
     {
-        /* rows of a partial tile (or of a k that is not a multiple of 4), zero-padded */
-        uint8_t spare[MR * padded] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const int8_t *panel = packed + p * k4 * NR * 4;
             int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
             for (int64_t t = 0; t < tiles; t++) {
                 int rows = m - t * MR < MR ? (int)(m - t * MR) : MR;
-                const uint8_t *a = u + t * MR * lda;
-                int64_t stride = lda;
-                if (rows < MR || padded != k) {
-                    memset(spare, 128, sizeof spare);
-                    for (int r = 0; r < rows; r++)
-                        memcpy(spare + r * padded, a + r * lda, k);
-                    a = spare, stride = padded;
-                }
+                int own = t * MR < in_place;
+                const uint8_t *a = own ? u + t * MR * lda : spare + (t * MR - in_place) * padded;
                 __m512i acc[MR][NV];
-                tile(a, stride, panel, k4, acc);
+                tile(a, own ? lda : padded, panel, k4, acc);
                 store(acc, rows, cols, correction + p * NR, scale + p * NR, out + t * MR * n + p * NR, n, stream);
             }
         }
         if (stream)
             _mm_sfence(); /* the streamed lines are visible before the caller reads them */
     }
+    free(spare);
 #else
     (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)n, (void)out;
 #endif
+    return 0;
 }
 
 /* Pack w int8 [n, k] (rows k apart) into panels (`packed`: ceil(n / NR) * ceil(k / 4) * NR * 4 bytes) and

@@ -54,7 +54,7 @@ def _library_or_reason() -> ctypes.CDLL | str:
         return f"{compiler} built {SOURCE.name} without AVX-512 VNNI"
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.int8_gemm.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer]
-    library.int8_gemm.restype = None
+    library.int8_gemm.restype = ctypes.c_int
     library.int8_gemm_pack.argtypes = [pointer, size, size, pointer, pointer]
     library.int8_gemm_pack.restype = None
     return library
@@ -93,7 +93,8 @@ class NativeInt8Weight:
             u = u.contiguous()
         wscale = wscale.float().contiguous()
         out = torch.empty(u.shape[0], self.out_features, dtype=torch.float32)
-        if u.shape[0]:
-            self._library.int8_gemm(u.data_ptr(), u.stride(0), u.shape[0], self.in_features, self.panels.data_ptr(),
-                                    self.correction.data_ptr(), wscale.data_ptr(), self.out_features, out.data_ptr())
+        if u.shape[0] and self._library.int8_gemm(u.data_ptr(), u.stride(0), u.shape[0], self.in_features,
+                                                  self.panels.data_ptr(), self.correction.data_ptr(),
+                                                  wscale.data_ptr(), self.out_features, out.data_ptr()):
+            raise MemoryError(f"no memory for a padded copy of {u.shape[0]} x {self.in_features} activations")
         return out
