@@ -51,7 +51,8 @@ def worker(checkout: str, workload: str, batch: int, steps: int) -> None:
     engine = Engine(loaded, EngineConfig(kv_cache_memory="2GiB", max_batch_size=batch))
     step = captured_step(engine, prompts, steps)
     import pipeline
-    print(f"worker: imports {Path(pipeline.__file__).parent}", file=sys.stderr, flush=True)
+    gemms = getattr(loaded.model.kernel_choice, "int8_gemm", {})  # chosen by timing at load: may differ by side
+    print(f"worker: imports {Path(pipeline.__file__).parent}; int8 GEMMs {gemms}", file=sys.stderr, flush=True)
     for line in sys.stdin:
         times = []
         for _ in range(int(line.split()[1])):
@@ -76,10 +77,6 @@ def main() -> None:
         return worker(args.a, args.workload, args.batch, args.steps)
 
     checkouts = [str(Path(c).resolve()) for c in (args.a, args.b)]
-    procs = [subprocess.Popen([sys.executable, __file__, c, c, "--worker", "--workload", args.workload,
-                               "--batch", str(args.batch), "--steps", str(args.steps)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=c)
-             for c in checkouts]
 
     def ask(proc: subprocess.Popen, n: int) -> tuple[float, float]:
         proc.stdin.write(f"go {n}\n")
@@ -90,8 +87,14 @@ def main() -> None:
                 return float(median), float(best)
         raise SystemExit(f"a worker exited (return code {proc.wait()})")
 
-    for proc in procs:
-        ask(proc, 3)  # loaded, compiled and warm before any timing
+    # One side loads after the other: a load times the int8 GEMMs to choose one (`pipeline.model.int8_gemm`),
+    # and two loads at once on two cores chose by each other's noise (a 1.1x faster GEMM lost).
+    procs = []
+    for c in checkouts:
+        procs.append(subprocess.Popen([sys.executable, __file__, c, c, "--worker", "--workload", args.workload,
+                                       "--batch", str(args.batch), "--steps", str(args.steps)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=c))
+        ask(procs[-1], 3)  # loaded, compiled and warm before any timing
     rounds: list[list[tuple[float, float]]] = [[], []]
     for r in range(args.rounds):
         for side in (0, 1) if r % 2 == 0 else (1, 0):
