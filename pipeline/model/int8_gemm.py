@@ -5,8 +5,8 @@ whichever runs this model's products faster on this CPU, timed at load.
 Which wins depends on the CPU. For SmolLM2 at 256 rows, an AMX Xeon ran a step's layer products in 29 ms
 packed against 44 ms through `torch._int_mm`, and the LM head in 6.3 against 15.3 ms; an AVX-512 VNNI Xeon
 without AMX ran the layers slower packed (81 against 64 ms) but the head faster (17.6 against 22.9). So the
-layers and the head are timed and chosen apart. On a Zen 4 (AVX-512 VNNI, no AMX) the native GEMM ran a
-64-row step's layer products 1.37x faster than either of oneDNN's (docs/performance.md). All three give the
+layers and the head are timed and chosen apart. On a Zen 4 (AVX-512 VNNI, no AMX) the native GEMM ran
+SmolLM2's layer products at 64 rows 1.26x faster than the faster of oneDNN's two (docs/performance.md). All three give the
 same bits (`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
 
 What is timed: the part's W8A8 weights once each (of the layers, the first TIMED_LAYERS'), at TIMED_ROWS
@@ -14,7 +14,7 @@ rows of random int8 activations, as a step runs them (the weights streaming one 
 layer's in cache). Before that, one call each on a slice of one weight screens out a packed GEMM that runs
 on oneDNN's reference kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed the weight but multiplied it
 with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it took 9 minutes of the load.
-The same call checks the packed products against the exact sums, bit for bit (a kernel that saturates is
+The same call checks each packed GEMM's products against the exact sums, bit for bit (a kernel that saturates is
 refused; `kernels.int8_cpu.weight_bound` keeps the weights within what it multiplies exactly).
 
 Without VNNI (an AVX2 Zen 3) the roles turn: `torch._int_mm` ran on a reference kernel (~3 GOP/s) and the
@@ -107,30 +107,30 @@ def _packed_candidates(timed: list[nn.Module], rows: int) -> tuple[dict[str, lis
     """The packed GEMMs worth timing against `torch._int_mm` on these modules, each with the modules'
     weights packed for it (handles), and why any other was left out."""
     candidates, notes = {}, []
-    try:
-        slow = _screened_out(timed[0], rows)  # a failing oneDNN kernel shows here, before any timing
-    except RuntimeError as e:
-        slow = f"no packed oneDNN GEMM here: {str(e).splitlines()[0]}"
-    if slow:
-        notes.append(slow)
-    else:
-        candidates[PACKED] = [pack_int8_weight(m, m.int8_layout[0]) for m in timed]
-    why_not = native_unavailable()
-    if why_not:
-        notes.append(f"no {NATIVE} GEMM: {why_not}")
-    else:
-        candidates[NATIVE] = [pack_native_int8_weight(m, m.int8_layout[0]) for m in timed]
+    for name, pack in PACKERS.items():
+        why_not = native_unavailable() if name == NATIVE else None
+        if why_not:
+            why_not = f"no {name} GEMM here: {why_not}"
+        else:
+            try:
+                why_not = _screened_out(timed[0], rows, name)  # a failing kernel shows here, before any timing
+            except RuntimeError as e:
+                why_not = f"no {name} GEMM here: {str(e).splitlines()[0]}"
+        if why_not:
+            notes.append(why_not)
+        else:
+            candidates[name] = [pack(m, m.int8_layout[0]) for m in timed]
     return candidates, notes
 
 
-def _screened_out(module: nn.Module, rows: int) -> str | None:
-    """One call of each GEMM (after a warm-up call) on the first SCREEN_CHANNELS output channels of the
-    module's weight: why the packed GEMM is not worth timing in full (products not those of the exact sums,
-    or a fallback kernel, SCREEN_FACTOR times slower or more), or None. Raises RuntimeError where oneDNN
-    cannot pack or run it."""
+def _screened_out(module: nn.Module, rows: int, name: str) -> str | None:
+    """One call of each GEMM (after a warm-up call), `torch._int_mm` and the packed GEMM `name`, on the first
+    SCREEN_CHANNELS output channels of the module's weight: why the packed GEMM is not worth timing in full
+    (products not those of the exact sums, or a fallback kernel, SCREEN_FACTOR times slower or more), or
+    None. Raises RuntimeError where it cannot pack or run the weight."""
     weight, scales, _ = module.int8_layout
     piece, piece_scales = weight[:SCREEN_CHANNELS], scales[:SCREEN_CHANNELS]
-    handle = pack_int8_weight(piece, piece)
+    handle = PACKERS[name](piece, piece)
     try:
         q = torch.randint(-127, 128, (rows, piece.shape[1]), dtype=torch.int8)
         packed_s = best_seconds(lambda: int8_outputs(q, None, piece_scales, handle), reps=1)
@@ -140,10 +140,10 @@ def _screened_out(module: nn.Module, rows: int) -> str | None:
     finally:
         release_packed(handle)
     if not exact:
-        return f"oneDNN's packed products differ from {PLAIN}'s exact sums on one weight's slice: not used"
+        return f"{name}'s products differ from {PLAIN}'s exact sums on one weight's slice: not used"
     if packed_s < SCREEN_FACTOR * plain_s:
         return None
-    return (f"{packed_s * 1e3:.2f} ms packed vs {plain_s * 1e3:.3f} plain for {piece.shape[0]} channels of one "
+    return (f"{packed_s * 1e3:.2f} ms {name} vs {plain_s * 1e3:.3f} {PLAIN} for {piece.shape[0]} channels of one "
             f"weight at {rows} rows: a fallback kernel, not timed further")
 
 

@@ -59,7 +59,7 @@ def test_each_part_keeps_the_fastest_gemm_and_the_logits_stay_bit_for_bit(tiny_m
         winner = winners[part]
         assert chosen[part].startswith(f"{winner} ("), chosen[part]
         assert f"1000.00 ms {winner}" in chosen[part] and "2000.00 ms" in chosen[part]
-        assert (f"ms {NATIVE}" in chosen[part]) == native and (f"no {NATIVE} GEMM: {NATIVE_OFF}" in chosen[part]) != native
+        assert (f"ms {NATIVE}" in chosen[part]) == native and (f"no {NATIVE} GEMM here: {NATIVE_OFF}" in chosen[part]) != native
         for m in modules:
             weight, _, handle = m.int8_layout
             assert (weight is None) == (winner != PLAIN) and (handle is not None) == (winner != PLAIN)
@@ -98,14 +98,26 @@ def test_without_a_packed_kernel_every_part_stays_on_int_mm(tiny_model_dir, monk
     def unavailable(owner, qweight):
         raise RuntimeError("could not create a primitive descriptor for the matmul primitive\nmore detail")
 
-    monkeypatch.setattr(int8_gemm, "pack_int8_weight", unavailable)
+    monkeypatch.setitem(int8_gemm.PACKERS, PACKED, unavailable)
     monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: NATIVE_OFF)
     loaded = _load(tiny_model_dir)
     assert loaded.model.kernel_choice.int8_gemm == {
-        part: f"{PLAIN} (no packed oneDNN GEMM here: could not create a primitive descriptor for the matmul "
-              f"primitive; no {NATIVE} GEMM: {NATIVE_OFF})"
+        part: f"{PLAIN} (no {PACKED} GEMM here: could not create a primitive descriptor for the matmul "
+              f"primitive; no {NATIVE} GEMM here: {NATIVE_OFF})"
         for part in ("layers", "lm_head")}
     assert greedy_decode(loaded.model, PROMPTS, 3)  # runs
+
+
+def test_a_native_gemm_off_by_one_is_refused_on_the_screening_slice(tiny_model_dir, monkeypatch):
+    why = cpu_int8_gemm.unavailable_reason()
+    if why:
+        pytest.skip(f"no native int8 GEMM here: {why}")
+    products = cpu_int8_gemm.NativeInt8Weight.products
+    monkeypatch.setattr(cpu_int8_gemm.NativeInt8Weight, "products", lambda self, u, s: products(self, u, s) + 1)
+    chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
+    for text in chosen.values():
+        assert "native VNNI's products differ from torch._int_mm's exact sums on one weight's slice: not used" in text
+        assert not text.startswith(NATIVE) and f"ms {NATIVE}" not in text
 
 
 def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_model_dir, monkeypatch):
@@ -126,9 +138,9 @@ def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_mo
     chosen = loaded.model.kernel_choice.int8_gemm
     assert len(screened) == 4  # one call of each GEMM for each of the two parts
     for text in chosen.values():
-        assert re.fullmatch(r"torch\._int_mm \(50000\.00 ms packed vs 1000\.000 plain for \d+ channels of one "
-                            r"weight at 128 rows: a fallback kernel, not timed further; no native VNNI GEMM: "
-                            r"off in this test\)", text), text
+        assert re.fullmatch(r"torch\._int_mm \(50000\.00 ms oneDNN packed vs 1000\.000 torch\._int_mm for \d+ "
+                            r"channels of one weight at 128 rows: a fallback kernel, not timed further; no native "
+                            r"VNNI GEMM here: off in this test\)", text), text
     assert set(int8_cpu._packed) <= before  # the screening slices' packed copies are freed
     assert all(m.int8_layout[2] is None for part in int8_parts(loaded.model).values() for m in part)
 
@@ -143,7 +155,7 @@ def test_the_measurement_times_each_gemm_on_the_models_own_weights(tiny_model_di
         timed = re.fullmatch(rf"{gemm} \(([\d.]+ ms {gemm}(?:, [\d.]+ ms {gemm})*) for \d+ of its \d+ weights at "
                              r"128 rows(; .+)?\)", text)
         if timed is None:  # nothing to time against torch._int_mm: both reasons given
-            assert re.fullmatch(r"torch\._int_mm \(.+; no native VNNI GEMM: .+\)", text), text
+            assert re.fullmatch(r"torch\._int_mm \(.+; no native VNNI GEMM here: .+\)", text), text
             continue
         figures = {name: float(ms) for ms, name in re.findall(rf"([\d.]+) ms {gemm}", timed.group(2))}
         assert timed.group(1) == min(figures, key=figures.get) and PLAIN in figures
