@@ -4,7 +4,7 @@ into its panels.
 It takes what oneDNN's packed GEMM takes (uint8 activations with zero point 128, `kernels.int8_cpu`) and
 gives the same bits: float32 exact int32 sums x the column's scale. Why a kernel of our own: at the row
 counts decode steps run (64-256), with a step's weights streaming from memory, oneDNN's int8 GEMMs
-(`torch._int_mm` and the packed one) reached 55-80% of this class of CPU's int8 peak, and 64 rows were the
+(`torch._int_mm` and the packed one) reached 55-87% of this class of CPU's int8 peak, and 64 rows were the
 worst; one register tile of 8 rows x 48 channels looping over a packed panel does better there (figures in
 docs/performance.md). The model times it against oneDNN's at load and keeps the faster
 (`pipeline.model.int8_gemm`).
