@@ -31,8 +31,12 @@ def _scripted(monkeypatch, winners: dict[str, str], native: bool = False) -> Non
     names = [PLAIN, PACKED, NATIVE]
     verdicts = iter(winners.values())
     monkeypatch.setattr(int8_gemm, "best_seconds", lambda fn, reps: 1.0)  # the screening calls tie
-    monkeypatch.setattr(int8_gemm, "alternating_best", lambda fns, rounds, reps: (
-        lambda winner: [1.0 if name == winner else 2.0 for name in names[: len(fns)]])(next(verdicts)))
+
+    def timings(fns, rounds, reps):  # the candidates come in the order of `names`
+        winner = next(verdicts)
+        return [1.0 if name == winner else 2.0 for name in names[: len(fns)]]
+
+    monkeypatch.setattr(int8_gemm, "alternating_best", timings)
 
 
 def _load(tiny_model_dir, **load):
