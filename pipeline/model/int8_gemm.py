@@ -11,10 +11,10 @@ same bits (`kernels.dispatch.int8_products`): the choice moves speed only, never
 
 What is timed: the part's W8A8 weights once each (of the layers, the first TIMED_LAYERS'), at TIMED_ROWS
 rows of random int8 activations, as a step runs them (the weights streaming one after another, not one
-layer's in cache). Before that, one call each on a slice of one weight screens out a packed GEMM that runs
+layer's in cache). Before that, a few calls each on a slice of one weight screen out a packed GEMM that runs
 on oneDNN's reference kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed the weight but multiplied it
 with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it took 9 minutes of the load.
-The same call checks each packed GEMM's products against the exact sums, bit for bit (a kernel that saturates is
+The same calls check each packed GEMM's products against the exact sums, bit for bit (a kernel that saturates is
 refused; `kernels.int8_cpu.weight_bound` keeps the weights within what it multiplies exactly).
 
 Without VNNI (an AVX2 Zen 3) the roles turn: `torch._int_mm` ran on a reference kernel (~3 GOP/s) and the
@@ -54,6 +54,7 @@ SCREEN_CHANNELS = 256  # output channels of the weight slice the screening call 
 # A packed call this many times slower than the plain one on the slice is a fallback kernel (the reference
 # kernel ran ~1,300x slower on a Zen 4), not a tuned one losing by a margin
 SCREEN_FACTOR = 10.0
+SCREEN_REPS = 3
 
 
 def int8_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
@@ -124,17 +125,18 @@ def _packed_candidates(timed: list[nn.Module], rows: int) -> tuple[dict[str, lis
 
 
 def _screened_out(module: nn.Module, rows: int, name: str) -> str | None:
-    """One call of each GEMM (after a warm-up call), `torch._int_mm` and the packed GEMM `name`, on the first
-    SCREEN_CHANNELS output channels of the module's weight: why the packed GEMM is not worth timing in full
-    (products not those of the exact sums, or a fallback kernel, SCREEN_FACTOR times slower or more), or
-    None. Raises RuntimeError where it cannot pack or run the weight."""
+    """The fastest of SCREEN_REPS calls of each GEMM (after a warm-up call), `torch._int_mm` and the packed
+    GEMM `name`, on the first SCREEN_CHANNELS output channels of the module's weight: why the packed GEMM is
+    not worth timing in full (products not those of the exact sums, or a fallback kernel, SCREEN_FACTOR
+    times slower or more), or None. Raises RuntimeError where it cannot pack or run the weight."""
     weight, scales, _ = module.int8_layout
     piece, piece_scales = weight[:SCREEN_CHANNELS], scales[:SCREEN_CHANNELS]
     handle = PACKERS[name](piece, piece)
     try:
         q = torch.randint(-127, 128, (rows, piece.shape[1]), dtype=torch.int8)
-        packed_s = best_seconds(lambda: int8_outputs(q, None, piece_scales, handle), reps=1)
-        plain_s = best_seconds(lambda: int8_outputs(q, piece, piece_scales), reps=1)
+        # best of 3: one call preempted on a busy machine must not read as a fallback kernel
+        packed_s = best_seconds(lambda: int8_outputs(q, None, piece_scales, handle), reps=SCREEN_REPS)
+        plain_s = best_seconds(lambda: int8_outputs(q, piece, piece_scales), reps=SCREEN_REPS)
         exact = torch.equal(int8_outputs(q, None, piece_scales, handle),
                             as_products(int8_outputs(q, piece, piece_scales), piece_scales.reshape(1, -1)))
     finally:

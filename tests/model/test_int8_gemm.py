@@ -162,5 +162,6 @@ def test_the_measurement_times_each_gemm_on_the_models_own_weights(tiny_model_di
             assert re.fullmatch(r"torch\._int_mm \(.+; no native VNNI GEMM here: .+\)", text), text
             continue
         figures = {name: float(ms) for ms, name in re.findall(rf"([\d.]+) ms {gemm}", timed.group(2))}
-        assert timed.group(1) == min(figures, key=figures.get) and PLAIN in figures
+        # the figures are rounded (the tiny model's products take hundredths of a ms): the winner's may tie
+        assert figures[timed.group(1)] == min(figures.values()) and PLAIN in figures
         assert (NATIVE in figures) == (cpu_int8_gemm.unavailable_reason() is None)
