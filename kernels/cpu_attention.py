@@ -12,14 +12,14 @@ Where it cannot run (no compiler, a CPU without AVX2, a shape the kernel does no
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from kernels.native_build import built_library, c_compiler, cpu_identity
+from kernels import native_build
+from kernels.native_build import built_library, c_compiler
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 VECTOR_FLOATS = 16  # head_dim and block_size must be multiples of this (AVX-512 width; AVX2 takes 8)
@@ -142,13 +142,7 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
 
 def machine_reason() -> str | None:
     """Why no native kernel runs on this machine, whatever the shape (None: it builds where shapes allow)."""
-    if os.environ.get("PIPELINE_NATIVE_ATTENTION", "").lower() in ("0", "off", "false", "no"):
-        return "PIPELINE_NATIVE_ATTENTION is off"
-    if "avx2" not in cpu_identity().split():
-        return "this CPU has no AVX2"
-    if c_compiler() is None:
-        return "no C compiler ($CC, gcc or cc) is installed"
-    return None
+    return native_build.machine_reason("PIPELINE_NATIVE_ATTENTION", "avx2", "AVX2")
 
 
 def load_paged_decode(head_dim: int, group: int, block_size: int,

@@ -16,14 +16,13 @@ Built by `kernels.native_build`; where it cannot run (no AVX-512 VNNI, no C comp
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from kernels.native_build import built_library, c_compiler, cpu_identity
+from kernels.native_build import built_library, c_compiler, machine_reason
 
 SOURCE = Path(__file__).with_name("cpu_int8_gemm.c")
 PANEL = 48  # output channels per panel (NR in the C source)
@@ -39,13 +38,10 @@ def unavailable_reason() -> str | None:
 @cache
 def _library_or_reason() -> ctypes.CDLL | str:
     """Built and loaded once per process; a failure is remembered too."""
-    if os.environ.get("PIPELINE_NATIVE_GEMM", "").lower() in ("0", "off", "false", "no"):
-        return "PIPELINE_NATIVE_GEMM is off"
-    if "avx512_vnni" not in cpu_identity().split():
-        return "this CPU has no AVX-512 VNNI"
+    why_not = machine_reason("PIPELINE_NATIVE_GEMM", "avx512_vnni", "AVX-512 VNNI")
+    if why_not:
+        return why_not
     compiler = c_compiler()
-    if compiler is None:
-        return "no C compiler ($CC, gcc or cc) is installed"
     try:
         library = ctypes.CDLL(str(built_library(compiler, SOURCE)))
     except (OSError, subprocess.SubprocessError) as e:

@@ -34,6 +34,18 @@ def cpu_identity() -> str:
     return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(("model name", "flags"))))
 
 
+def machine_reason(switch: str, flag: str, feature: str) -> str | None:
+    """Why a kernel cannot be built on this machine, whatever its shape: its switch (an environment variable)
+    set off, the CPU lacking `flag` (as /proc/cpuinfo names it; `feature` in words), or no C compiler."""
+    if os.environ.get(switch, "").lower() in ("0", "off", "false", "no"):
+        return f"{switch} is off"
+    if flag not in cpu_identity().split():
+        return f"this CPU has no {feature}"
+    if c_compiler() is None:
+        return "no C compiler ($CC, gcc or cc) is installed"
+    return None
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels")
 

@@ -6,16 +6,16 @@ Which wins depends on the CPU. For SmolLM2 at 256 rows, an AMX Xeon ran a step's
 packed against 44 ms through `torch._int_mm`, and the LM head in 6.3 against 15.3 ms; an AVX-512 VNNI Xeon
 without AMX ran the layers slower packed (81 against 64 ms) but the head faster (17.6 against 22.9). So the
 layers and the head are timed and chosen apart. On a Zen 4 (AVX-512 VNNI, no AMX) the native GEMM ran
-SmolLM2's layer products at 64 rows 1.26x faster than the faster of oneDNN's two (docs/performance.md). All three give the
-same bits (`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
+SmolLM2's layer products at 64 rows 1.26x faster than the faster of oneDNN's two (docs/performance.md). All
+three give the same bits (`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
 
 What is timed: the part's W8A8 weights once each (of the layers, the first TIMED_LAYERS'), at TIMED_ROWS
 rows of random int8 activations, as a step runs them (the weights streaming one after another, not one
 layer's in cache). Before that, a few calls each on a slice of one weight screen out a packed GEMM that runs
 on oneDNN's reference kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed the weight but multiplied it
 with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it took 9 minutes of the load.
-The same calls check each packed GEMM's products against the exact sums, bit for bit (a kernel that saturates is
-refused; `kernels.int8_cpu.weight_bound` keeps the weights within what it multiplies exactly).
+The same calls check each packed GEMM's products against the exact sums, bit for bit (a kernel that
+saturates is refused; `kernels.int8_cpu.weight_bound` keeps the weights within what it multiplies exactly).
 
 Without VNNI (an AVX2 Zen 3) the roles turn: `torch._int_mm` ran on a reference kernel (~3 GOP/s) and the
 packed GEMM at ~125-320, on 7-bit weights (`kernels.int8_cpu`).

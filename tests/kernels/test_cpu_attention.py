@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu_attention, native_build
 from kernels.cpu_attention import NativeKernelUnavailable, dequantize_kv, load_paged_decode, quantize_kv
 from kernels.native_build import cpu_identity
 from kernels.paged_attention_reference import attention_part, gather_keys, paged_decode_reference
@@ -288,7 +288,7 @@ def test_build_is_cached_on_disk(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("why,setup", [
     ("PIPELINE_NATIVE_ATTENTION is off", lambda mp: mp.setenv("PIPELINE_NATIVE_ATTENTION", "off")),
-    ("no C compiler", lambda mp: mp.setattr(cpu_attention, "c_compiler", lambda: None)),
+    ("no C compiler", lambda mp: mp.setattr(native_build, "c_compiler", lambda: None)),
 ])
 def test_unavailable_falls_back_to_torch_and_says_why(monkeypatch, caplog, why, setup):
     setup(monkeypatch)
