@@ -149,7 +149,7 @@ def run_engine(loaded, prompts: list[list[int]], args, batch: int | str) -> dict
     list(engine.generate([Request("warm-one", prompts[0], SamplingParams(max_tokens=2))]))
     engine.stats = type(engine.stats)()
     if loaded.model.kernel_choice is not None:  # count the measured steps only
-        loaded.model.kernel_choice.steps.clear()
+        loaded.model.kernel_choice.clear()
     t0 = time.perf_counter()
     outputs = {r.id: r.token_ids for r in engine.generate(Request(i, p, sp) for i, p in enumerate(prompts))}
     seconds = time.perf_counter() - t0

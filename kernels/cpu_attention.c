@@ -115,25 +115,7 @@ static inline void store_kv(kv_t *p, vec x) { memcpy(p, &x, sizeof x); }
 
 static inline vec vmax(vec a, vec b) { return (vec)VMAX((native_vec)a, (native_vec)b); }
 
-/* exp(x) lane by lane for x <= 0 (-inf included): exactly 0 below -87, else within ~2 ulp. Plain vector
- * arithmetic (Cody-Waite reduction, degree-6 polynomial) so that it runs a whole vector at a time. */
-static inline vec vexp(vec x)
-{
-    const ivec live = x > splat(-87.0f);
-    x = (vec)(((ivec)x & live) | ((ivec)splat(-87.0f) & ~live));
-    const vec magic = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    const vec n = (x * 1.44269504088896341f + magic) - magic;
-    const vec r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    vec p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23; /* 2^n */
-    return (vec)((ivec)(p * (vec)bits) & live);
-}
+#include "cpu_vexp.h"
 
 #if defined(KV_I8) && VEC == 16 && defined(__AVX512BW__) && HEAD_DIM % 32 == 0 && BLOCK % 16 == 0
 /* Scores of int8 keys in integer arithmetic: each query is rounded to int16 with its own scale (2^-15 of

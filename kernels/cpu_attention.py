@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kernels import native_build
-from kernels.native_build import built_library, c_compiler
+from kernels.native_build import built_library, c_compiler, function_address
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 VECTOR_FLOATS = 16  # head_dim and block_size must be multiples of this (AVX-512 width; AVX2 takes 8)
@@ -64,6 +64,8 @@ class PagedDecodeKernel:
         self._write.restype = None
         self._write.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [
             ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+        # the entry points, for native code that runs the write and decode itself (`kernels.cpu_decode_layers`)
+        self.write_address, self.decode_address = function_address(self._write), function_address(self._fn)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
               v_pool: torch.Tensor, k_scales: torch.Tensor | None = None,

@@ -16,13 +16,12 @@ Built by `kernels.native_build`; where it cannot run (no AVX-512 VNNI, no C comp
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from kernels.native_build import built_library, c_compiler, machine_reason
+from kernels.native_build import loaded_library
 
 SOURCE = Path(__file__).with_name("cpu_int8_gemm.c")
 PANEL = 48  # output channels per panel (NR in the C source)
@@ -35,19 +34,21 @@ def unavailable_reason() -> str | None:
     return library if isinstance(library, str) else None
 
 
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (its `int8_gemm` is what callers in C take as a function pointer);
+    RuntimeError where it cannot run."""
+    loaded = _library_or_reason()
+    if isinstance(loaded, str):
+        raise RuntimeError(f"no native int8 GEMM: {loaded}")
+    return loaded
+
+
 @cache
 def _library_or_reason() -> ctypes.CDLL | str:
     """Built and loaded once per process; a failure is remembered too."""
-    why_not = machine_reason("PIPELINE_NATIVE_GEMM", "avx512_vnni", "AVX-512 VNNI")
-    if why_not:
-        return why_not
-    compiler = c_compiler()
-    try:
-        library = ctypes.CDLL(str(built_library(compiler, SOURCE)))
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"building or loading {SOURCE.name} failed: {e}"
-    if not library.int8_gemm_available():
-        return f"{compiler} built {SOURCE.name} without AVX-512 VNNI"
+    library = loaded_library(SOURCE, "PIPELINE_NATIVE_GEMM", "avx512_vnni", "AVX-512 VNNI", "int8_gemm_available")
+    if isinstance(library, str):
+        return library
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.int8_gemm.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer]
     library.int8_gemm.restype = ctypes.c_int
@@ -63,19 +64,16 @@ class NativeInt8Weight:
     name = "native VNNI"
 
     def __init__(self, qweight: torch.Tensor):
-        library = _library_or_reason()
-        if isinstance(library, str):
-            raise RuntimeError(f"no native int8 GEMM: {library}")
+        self._library = library()
         if qweight.device.type != "cpu" or qweight.dtype != torch.int8 or qweight.dim() != 2:
             raise RuntimeError(f"the native int8 GEMM takes a CPU int8 [N, K] weight, got {qweight.dtype} "
                                f"{tuple(qweight.shape)} on {qweight.device}")
-        self._library = library
         self.out_features, self.in_features = qweight.shape
         qweight = qweight.contiguous()
         panels, groups = -(-self.out_features // PANEL), -(-self.in_features // GROUP)
         self.panels = torch.empty(panels * groups * PANEL * GROUP, dtype=torch.int8)
         self.correction = torch.empty(self.out_features, dtype=torch.int32)
-        library.int8_gemm_pack(qweight.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr(),
+        self._library.int8_gemm_pack(qweight.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr(),
                                self.correction.data_ptr())
 
     def products(self, u: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,12 @@ def _register(owner: object, weight: OneDNNWeight | NativeInt8Weight, nbytes: in
 
 def packed_gemm_name(handle: torch.Tensor) -> str:
     """Which GEMM a packed weight's handle runs on (its class's `name`)."""
-    return _packed[int(handle)][0].name
+    return packed_weight(handle).name
+
+
+def packed_weight(handle: torch.Tensor) -> OneDNNWeight | NativeInt8Weight:
+    """The packed weight behind a handle (alive as long as the handle's owner)."""
+    return _packed[int(handle)][0]
 
 
 def release_packed(handle: torch.Tensor) -> None:

@@ -9,8 +9,10 @@ libraries use the OpenMP runtime torch has already loaded, so they share torch's
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -46,6 +48,28 @@ def machine_reason(switch: str, flag: str, feature: str) -> str | None:
     return None
 
 
+def loaded_library(source: Path, switch: str, flag: str, feature: str, available: str) -> ctypes.CDLL | str:
+    """The library of `source` built for this machine and loaded, or why not: the machine
+    (`machine_reason`), the build, or the library's own `available()` entry returning 0 (the compiler left
+    out the code for `feature`)."""
+    why_not = machine_reason(switch, flag, feature)
+    if why_not:
+        return why_not
+    compiler = c_compiler()
+    try:
+        library = ctypes.CDLL(str(built_library(compiler, source)))
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"building or loading {source.name} failed: {e}"
+    if not getattr(library, available)():
+        return f"{compiler} built {source.name} without {feature}"
+    return library
+
+
+def function_address(function: ctypes._CFuncPtr) -> int:
+    """The entry point of a loaded library's function, for C code that takes it as a function pointer."""
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels")
 
@@ -54,12 +78,20 @@ def built_library(compiler: str, source: Path, defines: tuple[str, ...] = ()) ->
     """The shared library of `source` built with `defines`: found in the cache, else compiled into it.
     Raises OSError (with the compiler's messages) or subprocess.SubprocessError where the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([source.read_text(), compiler, version, *FLAGS, *defines,
+    key = hashlib.sha256("\n".join([source_text(source), compiler, version, *FLAGS, *defines,
                                     cpu_identity()]).encode()).hexdigest()[:20]
     library = cache_dir() / f"{source.stem}-{key}.so"
     if not library.exists():
         _build(compiler, source, defines, library)
     return library
+
+
+def source_text(source: Path) -> str:
+    """The source with the text of every local header it includes (`#include "name.h"`, next to it), so
+    that a header's change rebuilds the libraries built from it."""
+    text = source.read_text()
+    headers = re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return "\n".join([text, *((source.parent / name).read_text() for name in headers)])
 
 
 def _build(compiler: str, source: Path, defines: tuple[str, ...], library: Path) -> None:

@@ -345,6 +345,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
     for part, gemm in getattr(loaded.model.kernel_choice, "int8_gemm", {}).items():
         log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, loaded.model.kernel_choice.weight_bound)
+    if getattr(loaded.model, "native_layers", None) is not None:
+        log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE_DECODE=off: torch ops)")
 
     builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len, cfg.engine.seed)
     writer = UnitWriter(run_state, sink, cfg.sampling.n)
@@ -409,6 +411,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                   "kernel_steps": dict(getattr(loaded.model.kernel_choice, "steps", {})),
                   "int8_gemm": dict(getattr(loaded.model.kernel_choice, "int8_gemm", {})),
                   "int8_weight_bound": getattr(loaded.model.kernel_choice, "weight_bound", None),
+                  "native_layer_steps": getattr(loaded.model.kernel_choice, "native_layer_steps", 0),
                   "compiled_layers": bool(getattr(loaded.model, "compiled", False))},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),

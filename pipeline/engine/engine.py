@@ -138,7 +138,7 @@ class Engine:
             choice = batch_tuning.measure(self, sizes)
             self.stats = EngineStats()
             if self.model.kernel_choice is not None:
-                self.model.kernel_choice.steps.clear()
+                self.model.kernel_choice.clear()
         self.max_batch_size = self.scheduler.max_batch_size = choice.batch
         self._update_gauges()
         return choice

@@ -35,6 +35,7 @@ from pipeline.engine.host_memory import keep_step_buffers
 from pipeline.engine.sequence import Sequence
 from pipeline.model.attention import causal_attention
 from pipeline.model.llama import LlamaModel
+from pipeline.model.native_decode import NativeRows
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +281,19 @@ class PagedAttention:
             out[lo:hi] = causal_attention(q[lo:hi], ks, vs, length - (hi - lo), self.scale, self.window)
         self.attention_seconds += time.perf_counter() - t0
         return out.to(model_dtype)
+
+    def native_rows(self) -> NativeRows | None:
+        """This step as the model's native layers read it (`pipeline.model.native_decode`), where the native
+        kernel runs every row of it (with that kernel every chunk is rows: always, once prepared)."""
+        batch = self.batch
+        if self.native is None or batch is None or self._prefills or self.num_rows != batch.num_tokens:
+            return None
+        tables, lens, first = self._native_rows
+        return NativeRows(self.native, batch.slot_mapping, tables, lens, first, self.scale, self.k, self.v,
+                          self.scales.get("k_scales"), self.scales.get("v_scales"), self._spend)
+
+    def _spend(self, seconds: float) -> None:
+        self.attention_seconds += seconds
 
     def _layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The int8 pools' scale pools of `layer`, as the native kernel's keyword arguments (else none)."""

@@ -30,6 +30,7 @@ from pipeline.model.layers import (
     apply_rope,
     compiled_copy,
 )
+from pipeline.model.native_decode import NativeDecodeLayers, native_decode_layers
 from pipeline.parallel.group import SINGLE, TPGroup
 
 
@@ -152,6 +153,8 @@ class LlamaModel(nn.Module):
         # Set by pipeline.model.quant.attach_w8a8: picks each step's matmul kernel and counts its steps.
         self.kernel_choice = None
         self.run_layers = _run_layers  # or its compiled form (`compile_layers`)
+        # W8A8 steps' layers in one native call where the model and step allow (set by `use_native_layers`)
+        self.native_layers: NativeDecodeLayers | None = None
         self.layer_runs = [tuple(self.layers)]  # cut into shorter runs when compiled
 
     @property
@@ -180,15 +183,23 @@ class LlamaModel(nn.Module):
         # into two loops around the GEMM (eager, the scaling alone passes over [rows, vocab] three times)
         self.lm_head.compile(dynamic=True)
 
+    def use_native_layers(self) -> bool:
+        """Run W8A8 steps' decoder layers in one native call (`pipeline.model.native_decode`) where this
+        model can (else logged why not); returns whether it will."""
+        self.native_layers = native_decode_layers(self)
+        return self.native_layers is not None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         if self.kernel_choice is not None:
             self.kernel_choice.record(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rope(positions)
-        with bound_backend(attn):
-            for run in self.layer_runs:
-                x = self.run_layers(run, x, cos_sin)
+        native_rows = getattr(attn, "native_rows", None)  # the paged attention's native kernel, if it has one
+        if self.native_layers is None or native_rows is None or not self.native_layers.run(x, positions, native_rows()):
+            cos_sin = self.rope(positions)
+            with bound_backend(attn):
+                for run in self.layer_runs:
+                    x = self.run_layers(run, x, cos_sin)
         return self.norm(x)
 
     @torch.inference_mode()

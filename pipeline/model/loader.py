@@ -147,6 +147,7 @@ def load_model(
                        prefer_speed)
         if model.kernel_choice.w8a8_rows is not None and model.norm.weight.device.type == "cpu":
             model.kernel_choice.int8_gemm = choose_int8_gemm(model)
+            model.use_native_layers()
     model.kv_dtype = kv_dtype or dtype
     model.eval()
     release_freed_memory()

@@ -69,6 +69,7 @@ class KernelChoice:
     steps: Counter = field(default_factory=Counter)
     int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.model.int8_gemm`)
     weight_bound: int | None = None  # the W8A8 weights' largest |int8| (`kernels.dispatch.w8a8_weight_bound`)
+    native_layer_steps: int = 0  # W8A8 steps whose layers ran in one native call (`pipeline.model.native_decode`)
 
     def uses_w8a8(self, rows: int) -> bool:
         """quant=w8a8 (no weight-only kernel) at any row count, even none; else from `w8a8_rows` rows."""
@@ -76,6 +77,11 @@ class KernelChoice:
 
     def record(self, rows: int) -> None:
         self.steps["w8a8" if self.uses_w8a8(rows) else self.weight_only] += 1
+
+    def clear(self) -> None:
+        """Forget the steps counted so far (a measuring run's, before the job's own)."""
+        self.steps.clear()
+        self.native_layer_steps = 0
 
 
 @dataclass(frozen=True)

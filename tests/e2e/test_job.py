@@ -304,6 +304,7 @@ def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
                       "output.token_ids=true", *exact_kv, *HARDWARE), stdout=io.StringIO())
     model = metrics["model"]
     assert sum(model["kernel_steps"].values()) == metrics["steps"]
+    assert 0 <= model["native_layer_steps"] <= model["kernel_steps"].get("w8a8", 0)
     assert model["compiled_layers"]  # engine.compile=auto compiles quantized models on CPU
     if quant == "auto":
         assert model["quant_auto"]["scheme"] == model["quant"] and model["quant_auto"]["reason"]

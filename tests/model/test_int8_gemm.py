@@ -14,29 +14,11 @@ from pipeline.model import int8_gemm
 from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, int8_parts
 from pipeline.model.llama import cpp_compiler
 from pipeline.model.loader import load_model
+from tests.model.gemm_script import NATIVE_OFF, script_gemm_choice
 from tests.reference import greedy_decode, prompt_logits
 
 IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
 PROMPTS = [IDS, IDS[:5], [1, 77, 5000, 12, 900, 33, 2, 8]]
-NATIVE_OFF = "off in this test"
-
-
-def _scripted(monkeypatch, winners: dict[str, str], native: bool = False) -> None:
-    """Timings where each part's winner (in the order the parts are timed) is the fastest; the native GEMM
-    is a candidate only with `native` (skipped where this CPU has none)."""
-    why = cpu_int8_gemm.unavailable_reason()
-    if native and why:
-        pytest.skip(f"no native int8 GEMM here: {why}")
-    monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: None if native else NATIVE_OFF)
-    names = [PLAIN, PACKED, NATIVE]
-    verdicts = iter(winners.values())
-    monkeypatch.setattr(int8_gemm, "best_seconds", lambda fn, reps: 1.0)  # the screening calls tie
-
-    def timings(fns, rounds, reps):  # the candidates come in the order of `names`
-        winner = next(verdicts)
-        return [1.0 if name == winner else 2.0 for name in names[: len(fns)]]
-
-    monkeypatch.setattr(int8_gemm, "alternating_best", timings)
 
 
 def _load(tiny_model_dir, **load):
@@ -47,11 +29,11 @@ def _load(tiny_model_dir, **load):
                                      {"layers": PLAIN, "lm_head": PACKED}, {"layers": PLAIN, "lm_head": PLAIN},
                                      {"layers": NATIVE, "lm_head": PACKED}, {"layers": PLAIN, "lm_head": NATIVE}])
 def test_each_part_keeps_the_fastest_gemm_and_the_logits_stay_bit_for_bit(tiny_model_dir, monkeypatch, winners):
-    _scripted(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN})
+    script_gemm_choice(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN})
     plain = _load(tiny_model_dir)
     assert all(m.int8_layout[2] is None for part in int8_parts(plain.model).values() for m in part)
     native = NATIVE in winners.values()
-    _scripted(monkeypatch, winners, native=native)
+    script_gemm_choice(monkeypatch, winners, native=native)
     monkeypatch.setattr(int8_gemm, "TIMED_LAYERS", 1)  # of the tiny model's 2: the other is packed untimed
     before = set(int8_cpu._packed)
     loaded = _load(tiny_model_dir)
@@ -82,7 +64,7 @@ def test_compiled_steps_on_packed_weights_equal_those_on_plain_ones(tiny_model_d
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     models = {}
     for gemm in (PLAIN, PACKED, NATIVE):
-        _scripted(monkeypatch, {"layers": gemm, "lm_head": gemm}, native=gemm == NATIVE)
+        script_gemm_choice(monkeypatch, {"layers": gemm, "lm_head": gemm}, native=gemm == NATIVE)
         models[gemm] = _load(tiny_model_dir).model
         models[gemm].compile_layers()
     for gemm in (PACKED, NATIVE):
@@ -91,7 +73,7 @@ def test_compiled_steps_on_packed_weights_equal_those_on_plain_ones(tiny_model_d
 
 
 def test_a_measured_loser_is_freed_and_its_plain_weights_kept(tiny_model_dir, monkeypatch):
-    _scripted(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN}, native=cpu_int8_gemm.unavailable_reason() is None)
+    script_gemm_choice(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN}, native=cpu_int8_gemm.unavailable_reason() is None)
     before = set(int8_cpu._packed)
     loaded = _load(tiny_model_dir)
     assert set(int8_cpu._packed) <= before

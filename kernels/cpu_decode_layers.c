@@ -1,0 +1,261 @@
+/* A run of W8A8 decoder layers for a decode step on CPU, in one native call.
+ *
+ * Why native code: at 64 rows a compiled SmolLM2 step spent about a quarter of its main thread between
+ * kernels (graph guards and wrappers, operator dispatch, the Python around each GEMM and attention call),
+ * while the second thread waited. Here a layer's elementwise passes (RMSNorm, smoothing and per-row int8
+ * quantization, RoPE, SiLU x up, the residual adds) are plain loops over the rows, and its GEMMs and
+ * attention are called directly: the native int8 GEMM (kernels/cpu_int8_gemm.c) and the paged attention's
+ * write and decode (kernels/cpu_attention.c), passed in as function pointers so that each keeps its own
+ * build.
+ *
+ * The arithmetic is the model's W8A8 layer (pipeline/model/llama.py with pipeline/model/quant.py): each
+ * linear's input times its smoothing vector, rounded per row to uint8 with zero point 128 (scale
+ * max|y| / 127, round half to even, as kernels/w8a8_reference.py's quantize_rows), the GEMM's float32
+ * products times the row's scale. Float32 throughout; sums may round differently from torch's in the last
+ * bits (as compiled graphs' do).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+typedef int (*gemm_fn)(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                       const int32_t *correction, const float *scale, int64_t n, float *out);
+typedef void (*write_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+                         int64_t n, void *k_pool, void *v_pool, float *k_scale, float *v_scale,
+                         int64_t num_kv_heads, int64_t num_blocks);
+typedef void (*decode_fn)(const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
+                          const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                          const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
+                          float scale);
+
+/* A W8A8 linear: the GEMM's packed weight, correction and column scales, and the smoothing vector its
+ * input is multiplied by (NULL: none). y [rows, n] = x [rows, k] W^T. */
+struct linear {
+    const int8_t *panels;
+    const int32_t *correction;
+    const float *scale;
+    const float *smooth;
+    int64_t n, k;
+};
+
+struct layer {
+    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
+    struct linear qkv, o, gate_up, down;
+    void *k_pool, *v_pool;   /* this layer's KV pools, in the attention build's dtype */
+    float *k_scale, *v_scale; /* int8 pools' scale pools, else NULL */
+};
+
+/* What every layer of the step shares: shapes, the rows' positions and block tables, the kernels, and
+ * scratch buffers (sizes in cpu_decode_layers.py). */
+struct step {
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, attention_scale;
+    const float *cos, *sin; /* [rows, head_dim / 2] */
+    const int64_t *slots, *tables, *lens, *first;
+    int64_t table_stride, num_blocks;
+    gemm_fn gemm;
+    write_fn write;
+    decode_fn decode;
+    uint8_t *u;
+    float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+typedef float vec __attribute__((vector_size(64)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+static inline vec splat(float x) { return (vec){0} + x; }
+#include "cpu_vexp.h"
+
+#define PARALLEL_MIN 16384 /* elements of a pass below which the second thread's wake-up costs more */
+
+static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+static inline __m512 load(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void store(float *p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+
+/* u = round(y / s) + 128 (uint8) with s = max|y| / 127, or 1 for an all-zero row; returns s. */
+static float quantize_row(const float *y, int64_t k, uint8_t *u)
+{
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(load(y + c, lanes(k - c))));
+    float s = _mm512_reduce_max_ps(top) / 127.0f;
+    if (s == 0.0f)
+        s = 1.0f;
+    const __m512 vs = _mm512_set1_ps(s), zero_point = _mm512_set1_ps(128.0f);
+    for (int64_t c = 0; c < k; c += 16) {
+        __mmask16 m = lanes(k - c);
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load(y + c, m), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_mask_storeu_epi8(u + c, m, _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_add_ps(q, zero_point))));
+    }
+    return s;
+}
+
+/* tmp = x * smooth (or x itself without one), then quantized: each row of a linear's input. */
+static void quantize_input(const float *x, const struct linear *l, const struct step *s)
+{
+    const int64_t k = l->k;
+#pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
+    for (int64_t r = 0; r < s->rows; r++) {
+        const float *y = x + r * k;
+        if (l->smooth) {
+            float *t = s->tmp + r * k;
+            for (int64_t c = 0; c < k; c += 16)
+                store(t + c, lanes(k - c), _mm512_mul_ps(load(y + c, lanes(k - c)), load(l->smooth + c, lanes(k - c))));
+            y = t;
+        }
+        s->sx[r] = quantize_row(y, k, s->u + r * k);
+    }
+}
+
+/* RMSNorm of each row of x (weight w), times the linear's smoothing vector, quantized. */
+static void norm_quantize(const float *x, const float *w, const struct linear *l, const struct step *s)
+{
+    const int64_t k = l->k;
+#pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
+    for (int64_t r = 0; r < s->rows; r++) {
+        const float *xr = x + r * k;
+        float *t = s->tmp + r * k;
+        __m512 sq = _mm512_setzero_ps();
+        for (int64_t c = 0; c < k; c += 16) {
+            __m512 v = load(xr + c, lanes(k - c));
+            sq = _mm512_fmadd_ps(v, v, sq);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)k + s->eps));
+        for (int64_t c = 0; c < k; c += 16) {
+            __mmask16 m = lanes(k - c);
+            __m512 y = _mm512_mul_ps(_mm512_mul_ps(load(xr + c, m), inv), load(w + c, m));
+            if (l->smooth)
+                y = _mm512_mul_ps(y, load(l->smooth + c, m));
+            store(t + c, m, y);
+        }
+        s->sx[r] = quantize_row(t, k, s->u + r * k);
+    }
+}
+
+/* y = products [rows, n] x the row scales; x += y (the residual stream). */
+static void add_scaled(float *x, const float *products, int64_t n, const struct step *s)
+{
+#pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < s->rows; r++) {
+        const __m512 sr = _mm512_set1_ps(s->sx[r]);
+        for (int64_t c = 0; c < n; c += 16) {
+            __mmask16 m = lanes(n - c);
+            store(x + r * n + c, m, _mm512_add_ps(load(x + r * n + c, m), _mm512_mul_ps(load(products + r * n + c, m), sr)));
+        }
+    }
+}
+
+/* One head's rotate-half RoPE: dst = (x1 cos - x2 sin, x2 cos + x1 sin) of src = (x1, x2) (may alias). */
+static inline void rotate(float *dst, const float *src, const float *cos, const float *sin, int64_t half)
+{
+    for (int64_t j = 0; j < half; j += 16) {
+        __mmask16 m = lanes(half - j);
+        __m512 x1 = load(src + j, m), x2 = load(src + half + j, m), c = load(cos + j, m), n = load(sin + j, m);
+        store(dst + j, m, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, n)));
+        store(dst + half + j, m, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, n)));
+    }
+}
+
+/* The qkv products times the row scales; q rotated into s->q, k rotated in place, v scaled in place. */
+static void scale_rope(const struct step *s, int64_t n)
+{
+    const int64_t d = s->head_dim, half = d / 2, nq = s->heads * d;
+#pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < s->rows; r++) {
+        float *row = s->qkv + r * n;
+        const __m512 sr = _mm512_set1_ps(s->sx[r]);
+        for (int64_t c = 0; c < n; c += 16)
+            store(row + c, lanes(n - c), _mm512_mul_ps(load(row + c, lanes(n - c)), sr));
+        const float *cos = s->cos + r * half, *sin = s->sin + r * half;
+        for (int64_t h = 0; h < s->heads; h++)
+            rotate(s->q + r * nq + h * d, row + h * d, cos, sin, half);
+        for (int64_t h = 0; h < s->kv_heads; h++)
+            rotate(row + nq + h * d, row + nq + h * d, cos, sin, half);
+    }
+}
+
+/* silu(gate) x up (both times the row scale), times the down projection's smoothing vector, quantized. */
+static void silu_quantize(const struct linear *down, const struct step *s)
+{
+    const int64_t i = s->intermediate;
+#pragma omp parallel for if (s->rows * i >= PARALLEL_MIN)
+    for (int64_t r = 0; r < s->rows; r++) {
+        const float *gate = s->gate_up + r * 2 * i, *up = gate + i;
+        float *t = s->tmp + r * i;
+        const __m512 sr = _mm512_set1_ps(s->sx[r]), one = _mm512_set1_ps(1.0f);
+        for (int64_t c = 0; c < i; c += 16) {
+            __mmask16 m = lanes(i - c);
+            __m512 g = _mm512_mul_ps(load(gate + c, m), sr), u = _mm512_mul_ps(load(up + c, m), sr);
+            /* sigmoid(g) from exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below */
+            __m512 e = (__m512)vexp((vec)_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
+            __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e))), u);
+            if (down->smooth)
+                y = _mm512_mul_ps(y, load(down->smooth + c, m));
+            store(t + c, m, y);
+        }
+        s->sx[r] = quantize_row(t, i, s->u + r * i);
+    }
+}
+
+static inline double now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static inline int gemm(const struct step *s, const struct linear *l, float *out)
+{
+    return s->gemm(s->u, l->k, s->rows, l->k, l->panels, l->correction, l->scale, l->n, out);
+}
+
+/* x [rows, hidden] (the residual stream) through `count` layers in place. Adds the seconds spent in
+ * attention (the KV write and the decode) to *attention_seconds. Returns 0, or -1 where a GEMM could not
+ * allocate its padded rows (x then holds a partial result). */
+int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x, double *attention_seconds)
+{
+    const int64_t nq = s->heads * s->head_dim, nkv = s->kv_heads * s->head_dim;
+    for (int64_t i = 0; i < count; i++) {
+        const struct layer *L = &layers[i];
+        norm_quantize(x, L->input_norm, &L->qkv, s);
+        if (gemm(s, &L->qkv, s->qkv))
+            return -1;
+        scale_rope(s, L->qkv.n);
+        double t0 = now();
+        s->write(s->qkv + nq, s->qkv + nq + nkv, L->qkv.n, L->qkv.n, s->slots, s->rows, L->k_pool, L->v_pool,
+                 L->k_scale, L->v_scale, s->kv_heads, s->num_blocks);
+        s->decode(s->q, L->k_pool, L->v_pool, L->k_scale, L->v_scale, s->tables, s->table_stride, s->lens, s->first,
+                  s->attn, s->rows, s->kv_heads, s->num_blocks, s->attention_scale);
+        *attention_seconds += now() - t0;
+        quantize_input(s->attn, &L->o, s);
+        if (gemm(s, &L->o, s->proj))
+            return -1;
+        add_scaled(x, s->proj, s->hidden, s);
+        norm_quantize(x, L->post_norm, &L->gate_up, s);
+        if (gemm(s, &L->gate_up, s->gate_up))
+            return -1;
+        silu_quantize(&L->down, s);
+        if (gemm(s, &L->down, s->proj))
+            return -1;
+        add_scaled(x, s->proj, s->hidden, s);
+    }
+    return 0;
+}
+
+int decode_layers_available(void) { return 1; }
+
+#else
+
+int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x, double *attention_seconds)
+{
+    (void)layers, (void)count, (void)s, (void)x, (void)attention_seconds;
+    return -1;
+}
+
+int decode_layers_available(void) { return 0; }
+
+#endif

@@ -1,0 +1,78 @@
+"""Build and call `kernels/cpu_decode_layers.c`: W8A8 decoder layers of a decode step in one native call.
+
+The C structs are mirrored here as ctypes structures. A model fills one `Layer` per decoder layer once
+(`pipeline.model.native_decode`), and each step one `Step`: the rows' RoPE tables, slots and block tables,
+the kernels' entry points and scratch buffers.
+
+Where it cannot run (no AVX-512 VNNI, no C compiler, `PIPELINE_NATIVE_DECODE=off`), `unavailable_reason`
+says why and the model keeps its compiled graphs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+from kernels.native_build import loaded_library
+
+SOURCE = Path(__file__).with_name("cpu_decode_layers.c")
+_pointer, _size = ctypes.c_void_p, ctypes.c_int64
+
+
+class Linear(ctypes.Structure):
+    """A W8A8 linear on the native GEMM: packed panels, zero-point correction, column scales, and the
+    smoothing vector its input is multiplied by (None: none)."""
+
+    _fields_ = [("panels", _pointer), ("correction", _pointer), ("scale", _pointer), ("smooth", _pointer),
+                ("n", _size), ("k", _size)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer: its norms' weights, four linears and KV pools (with scale pools for int8)."""
+
+    _fields_ = [("input_norm", _pointer), ("post_norm", _pointer), ("qkv", Linear), ("o", Linear),
+                ("gate_up", Linear), ("down", Linear), ("k_pool", _pointer), ("v_pool", _pointer),
+                ("k_scale", _pointer), ("v_scale", _pointer)]
+
+
+class Step(ctypes.Structure):
+    """What every layer of one step shares (`struct step` in the C source)."""
+
+    _fields_ = [("rows", _size), ("hidden", _size), ("heads", _size), ("kv_heads", _size), ("head_dim", _size),
+                ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
+                ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("tables", _pointer), ("lens", _pointer),
+                ("first", _pointer), ("table_stride", _size), ("num_blocks", _size), ("gemm", _pointer),
+                ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer), ("tmp", _pointer),
+                ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer), ("proj", _pointer)]
+
+
+def unavailable_reason() -> str | None:
+    """Why the native decode layers cannot run here, or None."""
+    library = _library_or_reason()
+    return library if isinstance(library, str) else None
+
+
+def decode_layers(layers: ctypes.Array, step: Step, x_address: int) -> float:
+    """Run `layers` (an array of `Layer`) over the residual stream at x_address ([rows, hidden] float32,
+    updated in place); returns the seconds spent in attention. Raises MemoryError where a GEMM could not
+    allocate its padded rows."""
+    library = _library_or_reason()
+    if isinstance(library, str):
+        raise RuntimeError(f"no native decode layers: {library}")
+    seconds = ctypes.c_double(0.0)
+    if library.decode_layers(layers, len(layers), ctypes.byref(step), x_address, ctypes.byref(seconds)):
+        raise MemoryError(f"no memory for a padded copy of {step.rows} rows of GEMM activations")
+    return seconds.value
+
+
+@cache
+def _library_or_reason() -> ctypes.CDLL | str:
+    """Built and loaded once per process; a failure is remembered too."""
+    library = loaded_library(SOURCE, "PIPELINE_NATIVE_DECODE", "avx512_vnni", "AVX-512 VNNI", "decode_layers_available")
+    if isinstance(library, str):
+        return library
+    library.decode_layers.argtypes = [ctypes.POINTER(Layer), _size, ctypes.POINTER(Step), _pointer,
+                                      ctypes.POINTER(ctypes.c_double)]
+    library.decode_layers.restype = ctypes.c_int
+    return library

@@ -1,0 +1,166 @@
+"""W8A8 decoder layers of a CPU step in one native call (`kernels.cpu_decode_layers`), where the model and
+the step allow it; otherwise the model runs its layers as before (compiled graphs or eager).
+
+Why: at 64 rows a compiled SmolLM2 step spent about a quarter of its main thread between kernels (graph
+guards and wrappers, operator dispatch, the Python around each GEMM and attention call), while the second
+core waited. The native run does the same arithmetic as the W8A8 layer, with the native GEMM and the native
+paged attention called from C (figures in docs/performance.md).
+
+What it takes: one rank, float32 activations, every layer the plain Llama layout (no biases, no q/k norm)
+with its four linears on the native VNNI GEMM (chosen at load, `pipeline.model.int8_gemm`), and a step in
+W8A8 whose every row the paged attention runs through its native kernel (`NativeRows`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import cpu_decode_layers, cpu_int8_gemm
+from kernels.cpu_attention import PagedDecodeKernel
+from kernels.cpu_decode_layers import Layer, Linear, Step
+from kernels.cpu_int8_gemm import NativeInt8Weight
+from kernels.int8_cpu import packed_weight
+from kernels.native_build import function_address
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NativeRows:
+    """A step as the native layers read it from the paged attention: every token a row of the native
+    kernel (`PagedAttention.native_rows`)."""
+
+    kernel: PagedDecodeKernel
+    slots: torch.Tensor  # [T] int64: where each token's key and value go
+    tables: torch.Tensor  # [T, width] int64: each row's block table
+    lens: torch.Tensor  # [T] int64: keys each row sees
+    first: torch.Tensor  # [T] int64: each row's first key (a sliding window's start)
+    scale: float  # the attention's softmax scale
+    k_pools: list[torch.Tensor]  # per layer
+    v_pools: list[torch.Tensor]
+    k_scales: list[torch.Tensor] | None  # int8 pools' scales, per layer
+    v_scales: list[torch.Tensor] | None
+    spent: Callable[[float], None]  # takes the seconds spent in attention
+
+
+def native_decode_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot run its layers natively (None: it can)."""
+    from pipeline.model.llama import MLP, Attention, DecoderLayer
+    from pipeline.model.quant import QuantLinear
+
+    why = cpu_decode_layers.unavailable_reason()
+    if why:
+        return why
+    if model.tp.size > 1 or model.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
+        return "it needs one rank and float32 activations on CPU"
+    choice = model.kernel_choice
+    if choice is None or choice.w8a8_rows is None:
+        return "no W8A8 layout is attached (model.quant w8a8 or auto)"
+    for i, layer in enumerate(model.layers):
+        parts = (type(layer), type(layer.self_attn), type(layer.mlp))
+        if parts != (DecoderLayer, Attention, MLP) or layer.self_attn.qk_norm:
+            return f"layer {i} is not the plain Llama layout"
+        for linear in _linears(layer):
+            if not isinstance(linear, QuantLinear) or linear.bias is not None:
+                return f"layer {i} has a bias or a linear that is not W8A8"
+            handle = linear.int8_layout[2]
+            if handle is None or not isinstance(packed_weight(handle), NativeInt8Weight):
+                return f"layer {i}'s linears do not run on the {NativeInt8Weight.name} GEMM"
+    return None
+
+
+def native_decode_layers(model: nn.Module) -> NativeDecodeLayers | None:
+    """The native layers of `model`, or None (logged with the reason) where it cannot run them."""
+    why = native_decode_reason(model)
+    if why:
+        log.info("decoder layers run on torch ops, not the native W8A8 layers: %s", why)
+        return None
+    return NativeDecodeLayers(model)
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if not t.is_contiguous() or t.dtype != torch.float32:
+        raise ValueError(f"the native layers read contiguous float32 vectors, got {t.dtype} {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+def _linear(module: nn.Module) -> Linear:
+    weight: NativeInt8Weight = packed_weight(module.int8_layout[2])
+    return Linear(weight.panels.data_ptr(), weight.correction.data_ptr(), _address(module.w8a8_scales),
+                  _address(module.w8a8_smooth), weight.out_features, weight.in_features)
+
+
+class NativeDecodeLayers:
+    """The model's layers as the native call reads them: weights' addresses filled once, the KV pools'
+    when the attention's pools change, the rows' each step."""
+
+    def __init__(self, model: nn.Module):
+        cfg = model.config
+        self.model = model
+        self.layers = (Layer * len(model.layers))()
+        for entry, layer in zip(self.layers, model.layers):
+            entry.input_norm = _address(layer.input_layernorm.weight)
+            entry.post_norm = _address(layer.post_attention_layernorm.weight)
+            entry.qkv, entry.o, entry.gate_up, entry.down = map(_linear, _linears(layer))
+        self.shape = dict(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                          head_dim=cfg.head_dim, intermediate=cfg.intermediate_size)
+        self.eps = model.layers[0].input_layernorm.eps
+        self.gemm = function_address(cpu_int8_gemm.library().int8_gemm)
+        self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
+        self._scratch = torch.empty(0)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, rows: NativeRows | None) -> bool:
+        """Run every layer over x [T, hidden] (the residual stream, updated in place) where this step can:
+        W8A8 at T rows, every row native (`rows`). Returns whether it ran."""
+        t = x.shape[0]
+        if rows is None or t == 0 or not self.model.kernel_choice.uses_w8a8(t) or not x.is_contiguous():
+            return False
+        if rows.k_pools is not self._pools:
+            self._point_at(rows)
+        cfg = self.shape
+        rope = self.model.rope
+        cos, sin = rope.cos[positions], rope.sin[positions]  # [T, head_dim / 2], contiguous
+        step = Step(rows=t, eps=self.eps, attention_scale=rows.scale, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                    slots=rows.slots.data_ptr(), tables=rows.tables.data_ptr(), lens=rows.lens.data_ptr(),
+                    first=rows.first.data_ptr(), table_stride=rows.tables.shape[1],
+                    num_blocks=rows.k_pools[0].shape[1], gemm=self.gemm,
+                    write=rows.kernel.write_address, decode=rows.kernel.decode_address, **cfg)
+        self._fill_scratch(step, t)
+        rows.spent(cpu_decode_layers.decode_layers(self.layers, step, x.data_ptr()))
+        self.model.kernel_choice.native_layer_steps += 1
+        return True
+
+    def _point_at(self, rows: NativeRows) -> None:
+        for i, entry in enumerate(self.layers):
+            entry.k_pool, entry.v_pool = rows.k_pools[i].data_ptr(), rows.v_pools[i].data_ptr()
+            if rows.k_scales is not None:
+                entry.k_scale, entry.v_scale = rows.k_scales[i].data_ptr(), rows.v_scales[i].data_ptr()
+        self._pools = rows.k_pools
+
+    def _fill_scratch(self, step: Step, t: int) -> None:
+        """Point the step's scratch buffers into one float32 allocation, kept and grown as steps need."""
+        first = self.layers[0]
+        widest = max(step.hidden, step.heads * step.head_dim, step.intermediate)
+        sizes = {"tmp": t * widest, "qkv": t * first.qkv.n, "q": t * step.heads * step.head_dim,
+                 "attn": t * step.heads * step.head_dim, "gate_up": t * first.gate_up.n, "proj": t * step.hidden,
+                 "sx": t, "u": -(-t * widest // 4)}  # u: uint8, in float32 units
+        total = sum(-(-n // 16) * 16 for n in sizes.values())  # each buffer 64-byte aligned
+        if self._scratch.numel() < total:
+            self._scratch = torch.empty(total, dtype=torch.float32)
+        address = self._scratch.data_ptr()
+        for name, n in sizes.items():
+            setattr(step, name, address)
+            address += -(-n // 16) * 16 * 4
+

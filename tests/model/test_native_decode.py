@@ -1,0 +1,111 @@
+"""The native W8A8 decoder layers (`pipeline.model.native_decode`) against the same model's torch layers, on
+the same engine steps, and where they must stand aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_decode_layers
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.request import Request, SamplingParams
+from pipeline.model.int8_gemm import NATIVE, PLAIN
+from pipeline.model.llama import LlamaModel
+from pipeline.model.loader import load_model
+from pipeline.model.native_decode import native_decode_reason
+from tests.model.gemm_script import script_gemm_choice
+from tests.reference import assert_only_near_ties, greedy_decode
+
+PROMPTS = [[1 + (7 * i + j) % 900 for j in range(3 + 4 * i)] for i in range(6)]
+
+
+@pytest.fixture
+def native_gemm(monkeypatch):
+    """Loads put the layers on the native GEMM (skipped where this CPU cannot run the native layers)."""
+    why = cpu_decode_layers.unavailable_reason()
+    if why:
+        pytest.skip(f"no native decode layers here: {why}")
+    script_gemm_choice(monkeypatch, {"layers": NATIVE, "lm_head": PLAIN}, native=True)
+
+
+def _paired_steps(monkeypatch) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    """Each forward pass runs the torch layers first, then the native ones where they take the step, on the
+    same inputs; returns (rows, torch's hidden states, the native ones or None) per pass. Both write the
+    step's keys and values to the same slots, the native layers last, so the next step reads theirs."""
+    pairs = []
+    forward, run = LlamaModel.forward, cpu_decode_layers.decode_layers
+    ran = []
+    monkeypatch.setattr(cpu_decode_layers, "decode_layers", lambda *a: ran.append(1) or run(*a))
+
+    def both(model, ids, positions, attn):
+        native, model.native_layers = model.native_layers, None
+        expected = forward(model, ids, positions, attn)
+        model.native_layers = native
+        ran.clear()
+        got = forward(model, ids, positions, attn)
+        pairs.append((ids.shape[0], expected, got if ran else None))
+        return got
+
+    monkeypatch.setattr(LlamaModel, "forward", both)
+    return pairs
+
+
+def _assert_same_arithmetic(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """The same W8A8 layers: only sums rounded in another order may differ (last float32 bits)."""
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def _generate(loaded, max_tokens: int = 6, **engine) -> dict[int, list[int]]:
+    engine = Engine(loaded, EngineConfig(kv_cache_memory="16MiB", **engine))
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return {r.id: r.token_ids for r in engine.generate(Request(i, p, sp) for i, p in enumerate(PROMPTS))}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_native_layers_give_the_torch_layers_hidden_states_on_every_step(tiny_model_dir, native_gemm, monkeypatch,
+                                                                          kv_dtype):
+    loaded = load_model(tiny_model_dir, quant="w8a8", kv_dtype=kv_dtype)
+    assert loaded.model.native_layers is not None, native_decode_reason(loaded.model)
+    pairs = _paired_steps(monkeypatch)
+    _generate(loaded, max_batched_tokens=16)  # prompts in chunks, then decodes: every step mixes both
+    assert len(pairs) >= 6 and all(got is not None for _, _, got in pairs)
+    assert loaded.model.kernel_choice.native_layer_steps == len(pairs)
+    for _, expected, got in pairs:
+        _assert_same_arithmetic(got, expected)
+
+
+def test_native_engine_tokens_match_the_eager_reference_but_for_near_ties(tiny_model_dir, native_gemm):
+    loaded = load_model(tiny_model_dir, quant="w8a8")
+    reference = dict(enumerate(greedy_decode(loaded.model, PROMPTS, 8)))  # contiguous caches: torch layers
+    assert_only_near_ties(reference, _generate(loaded, max_tokens=8))
+
+
+def test_steps_below_the_w8a8_rows_run_the_weight_only_layers(tiny_model_dir, native_gemm, monkeypatch):
+    loaded = load_model(tiny_model_dir, quant="int8", w8a8_rows=4)
+    assert loaded.model.native_layers is not None, native_decode_reason(loaded.model)
+    pairs = _paired_steps(monkeypatch)
+    _generate(loaded, max_batch_size=3)  # decode steps of 3 rows: weight-only; prefill chunks: W8A8
+    assert {rows < 4 for rows, _, _ in pairs} == {True, False}
+    for rows, expected, got in pairs:
+        assert (got is None) == (rows < 4), rows
+        if got is not None:
+            _assert_same_arithmetic(got, expected)
+
+
+def test_without_the_native_gemm_or_w8a8_the_model_keeps_its_torch_layers(tiny_model_dir, monkeypatch):
+    script_gemm_choice(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN})
+    plain_gemm = load_model(tiny_model_dir, quant="w8a8").model
+    assert plain_gemm.native_layers is None
+    assert f"do not run on the {NATIVE} GEMM" in native_decode_reason(plain_gemm) or cpu_decode_layers.unavailable_reason()
+    assert "no W8A8 layout" in native_decode_reason(load_model(tiny_model_dir).model) or \
+        cpu_decode_layers.unavailable_reason()
+
+
+def test_the_switch_turns_the_native_layers_off(monkeypatch):
+    cpu_decode_layers._library_or_reason.cache_clear()
+    monkeypatch.setenv("PIPELINE_NATIVE_DECODE", "off")
+    try:
+        assert cpu_decode_layers.unavailable_reason() == "PIPELINE_NATIVE_DECODE is off"
+    finally:
+        cpu_decode_layers._library_or_reason.cache_clear()
