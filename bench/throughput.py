@@ -340,6 +340,8 @@ def main() -> None:
             roof = step_roofline(loaded.config, s, roof_dtype, kv_name, hw.bandwidth, peak)
             step_ms = 1e3 * s.total_time / s.steps
             kernels = dict(loaded.model.kernel_choice.steps) if loaded.model.kernel_choice is not None else {}
+            if kernels:  # of the W8A8 steps, those whose layers ran in one native call
+                kernels["native layers"] = loaded.model.kernel_choice.native_layer_steps
             print(f"round {r} engine {mode:5s}: {eng['tokens_per_s']:7.1f} tok/s  max_batch_size {eng['batch']} "
                   f"(measuring {eng['tuning_s']:.1f} s)  mean batch {s.mean_running_batch:.1f}"
                   f"  step {step_ms:.1f} ms = {100 * roof['per_step_ms'] / step_ms:.0f}% of the {roof_dtype} roofline"
