@@ -26,6 +26,7 @@ from kernels.cpu_decode_layers import Layer, Linear, Step
 from kernels.cpu_int8_gemm import NativeInt8Weight
 from kernels.int8_cpu import packed_weight
 from kernels.native_build import function_address
+from pipeline.model.quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,7 @@ class NativeRows:
 
 
 def native_decode_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot run its layers natively (None: it can)."""
-    from pipeline.model.llama import MLP, Attention, DecoderLayer
-    from pipeline.model.quant import QuantLinear
-
+    """Why `model` (a `pipeline.model.llama.LlamaModel`) cannot run its layers natively (None: it can)."""
     why = cpu_decode_layers.unavailable_reason()
     if why:
         return why
@@ -61,13 +59,13 @@ def native_decode_reason(model: nn.Module) -> str | None:
     choice = model.kernel_choice
     if choice is None or choice.w8a8_rows is None:
         return "no W8A8 layout is attached (model.quant w8a8 or auto)"
+    cfg = model.config
+    if cfg.qk_norm or cfg.attention_bias or cfg.mlp_bias:
+        return "the layers have q/k norms or biases (the native layers are the plain Llama layer)"
     for i, layer in enumerate(model.layers):
-        parts = (type(layer), type(layer.self_attn), type(layer.mlp))
-        if parts != (DecoderLayer, Attention, MLP) or layer.self_attn.qk_norm:
-            return f"layer {i} is not the plain Llama layout"
         for linear in _linears(layer):
-            if not isinstance(linear, QuantLinear) or linear.bias is not None:
-                return f"layer {i} has a bias or a linear that is not W8A8"
+            if not isinstance(linear, QuantLinear):
+                return f"layer {i} has a linear that is not quantized"
             handle = linear.int8_layout[2]
             if handle is None or not isinstance(packed_weight(handle), NativeInt8Weight):
                 return f"layer {i}'s linears do not run on the {NativeInt8Weight.name} GEMM"
