@@ -18,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -310,6 +311,29 @@ static inline void block_scores(float *s, const kv_t *kb, const float *scales, i
 #endif
 }
 
+/* The (row, KV head) tasks [*lo, *hi) (task t: row t / heads, head t % heads) of thread `id` of `threads`:
+ * contiguous and of about equal cost (a task's keys, plus a block's worth for its fixed work), each task to
+ * the thread whose share holds the middle of its cost. Contiguous, so that a thread reads the rows that the
+ * step's other passes gave it (the native layers split rows in halves too): SmolLM2 steps of 64 rows took
+ * 0.92-0.99 of the time they took with tasks handed out one by one (dynamic, interleaving the threads'
+ * rows), lock-step in three runs. Weighed by keys, so that a prefill chunk's short and long rows do not
+ * leave one thread waiting. */
+static void thread_tasks(const int64_t *lens, const int64_t *first, int64_t rows, int64_t heads, int id,
+                         int threads, int64_t *lo, int64_t *hi)
+{
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; r++)
+        total += (lens[r] - first[r] + BLOCK) * heads;
+    const int64_t start = total * id / threads, end = total * (id + 1) / threads, n = rows * heads;
+    int64_t t = 0, sum = 0;
+    for (; t < n && sum + (lens[t / heads] - first[t / heads] + BLOCK) / 2 < start; t++)
+        sum += lens[t / heads] - first[t / heads] + BLOCK;
+    *lo = t;
+    for (; t < n && sum + (lens[t / heads] - first[t / heads] + BLOCK) / 2 < end; t++)
+        sum += lens[t / heads] - first[t / heads] + BLOCK;
+    *hi = t;
+}
+
 /* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. Each
  * (row, KV head) task walks its blocks TILE at a time: scores, one online-softmax update, then p v. */
 void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const float *k_scale,
@@ -317,9 +341,12 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                   const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
                   float scale)
 {
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
+#pragma omp parallel
+    {
+        int64_t lo, hi;
+        thread_tasks(lens, first, rows, num_kv_heads, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        for (int64_t task = lo; task < hi; task++) {
+            const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
             vec acc[GROUP][CHUNKS], qs[GROUP][CHUNKS];
             float m[GROUP], l[GROUP]; /* running max and sum of the online softmax */
             const float *qr = q + (r * num_kv_heads + h) * GROUP * HEAD_DIM;
