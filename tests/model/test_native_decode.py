@@ -16,16 +16,21 @@ from pipeline.model.loader import load_model
 from pipeline.model.native_decode import native_decode_reason
 from tests.model.gemm_script import script_gemm_choice
 from tests.reference import assert_only_near_ties, greedy_decode
+from tests.tiny_model import build_tiny_checkpoint
 
 PROMPTS = [[1 + (7 * i + j) % 900 for j in range(3 + 4 * i)] for i in range(6)]
 
 
 @pytest.fixture
 def native_gemm(monkeypatch):
-    """Loads put the layers on the native GEMM (skipped where this CPU cannot run the native layers)."""
+    """The next load puts the layers on the native GEMM (skipped where this CPU cannot run the native layers)."""
     why = cpu_decode_layers.unavailable_reason()
     if why:
         pytest.skip(f"no native decode layers here: {why}")
+    _script_native(monkeypatch)
+
+
+def _script_native(monkeypatch) -> None:
     script_gemm_choice(monkeypatch, {"layers": NATIVE, "lm_head": PLAIN}, native=True)
 
 
@@ -71,6 +76,23 @@ def test_native_layers_give_the_torch_layers_hidden_states_on_every_step(tiny_mo
     _generate(loaded, max_batched_tokens=16)  # prompts in chunks, then decodes: every step mixes both
     assert len(pairs) >= 6 and all(got is not None for _, _, got in pairs)
     assert loaded.model.kernel_choice.native_layer_steps == len(pairs)
+    for _, expected, got in pairs:
+        _assert_same_arithmetic(got, expected)
+
+
+def test_a_sliding_window_runs_natively_and_biases_keep_the_torch_layers(tmp_path, native_gemm, monkeypatch):
+    qwen2 = build_tiny_checkpoint(tmp_path / "qwen2", seed=2, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                  use_sliding_window=False)
+    biased = load_model(qwen2, quant="w8a8").model
+    assert biased.native_layers is None and "biases" in native_decode_reason(biased)
+    _script_native(monkeypatch)  # for the second load
+    mistral = build_tiny_checkpoint(tmp_path / "mistral", seed=2, architectures=["MistralForCausalLM"],
+                                    model_type="mistral", sliding_window=8)
+    windowed = load_model(mistral, quant="w8a8")
+    assert windowed.model.native_layers is not None, native_decode_reason(windowed.model)
+    pairs = _paired_steps(monkeypatch)
+    _generate(windowed, max_tokens=12, max_batched_tokens=16)  # prompts of 3-23 tokens, then 12 more: past 8
+    assert pairs and all(got is not None for _, _, got in pairs)
     for _, expected, got in pairs:
         _assert_same_arithmetic(got, expected)
 
