@@ -284,9 +284,9 @@ class PagedAttention:
 
     def native_rows(self) -> NativeRows | None:
         """This step as the model's native layers read it (`pipeline.model.native_decode`), where the native
-        kernel runs every row of it (with that kernel every chunk is rows: always, once prepared)."""
+        kernel runs every row of it (with that kernel every chunk is rows: every prepared step with rows)."""
         batch = self.batch
-        if self.native is None or batch is None or self._prefills or self.num_rows != batch.num_tokens:
+        if self.native is None or batch is None or not 0 < self.num_rows == batch.num_tokens:
             return None
         tables, lens, first = self._native_rows
         return NativeRows(self.native, batch.slot_mapping, tables, lens, first, self.scale, self.k, self.v,
