@@ -73,8 +73,8 @@ class NativeInt8Weight:
         panels, groups = -(-self.out_features // PANEL), -(-self.in_features // GROUP)
         self.panels = torch.empty(panels * groups * PANEL * GROUP, dtype=torch.int8)
         self.correction = torch.empty(self.out_features, dtype=torch.int32)
-        self._library.int8_gemm_pack(qweight.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr(),
-                               self.correction.data_ptr())
+        self._library.int8_gemm_pack(qweight.data_ptr(), self.out_features, self.in_features,
+                                     self.panels.data_ptr(), self.correction.data_ptr())
 
     def products(self, u: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
         """u uint8 [M, K] (int8 activations + 128) times the weight: float32 [M, N], each exact int32 sum
