@@ -321,17 +321,19 @@ static inline void block_scores(float *s, const kv_t *kb, const float *scales, i
 static void thread_tasks(const int64_t *lens, const int64_t *first, int64_t rows, int64_t heads, int id,
                          int threads, int64_t *lo, int64_t *hi)
 {
+#define TASK_COST(r) (lens[r] - first[r] + BLOCK)
     int64_t total = 0;
     for (int64_t r = 0; r < rows; r++)
-        total += (lens[r] - first[r] + BLOCK) * heads;
+        total += TASK_COST(r) * heads;
     const int64_t start = total * id / threads, end = total * (id + 1) / threads, n = rows * heads;
     int64_t t = 0, sum = 0;
-    for (; t < n && sum + (lens[t / heads] - first[t / heads] + BLOCK) / 2 < start; t++)
-        sum += lens[t / heads] - first[t / heads] + BLOCK;
+    for (; t < n && sum + TASK_COST(t / heads) / 2 < start; t++)
+        sum += TASK_COST(t / heads);
     *lo = t;
-    for (; t < n && sum + (lens[t / heads] - first[t / heads] + BLOCK) / 2 < end; t++)
-        sum += lens[t / heads] - first[t / heads] + BLOCK;
+    for (; t < n && sum + TASK_COST(t / heads) / 2 < end; t++)
+        sum += TASK_COST(t / heads);
     *hi = t;
+#undef TASK_COST
 }
 
 /* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. Each

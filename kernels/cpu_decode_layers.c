@@ -17,7 +17,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 #include <time.h>
 
 typedef int (*gemm_fn)(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
