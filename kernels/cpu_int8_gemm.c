@@ -16,6 +16,7 @@
  * broadcasts. Rows of a tile share the panel, which stays in L1/L2 while the row tiles pass over it.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,27 +84,52 @@ int int8_gemm_available(void) {
 #endif
 }
 
+#ifdef __AVX512VNNI__
+/* The activations' row tiles: rows read in place in whole tiles; the rows of a partial last tile (every row,
+ * where k is not a multiple of 4) copied once into whole tiles padded with zeros (u = 128). */
+struct row_tiles {
+    const uint8_t *u;
+    int64_t lda, padded, in_place, tiles;
+    uint8_t *spare; /* NULL where every tile is read in place */
+};
+
+/* Returns 0, or -1 where the padded copy could not be allocated. */
+static int row_tiles_init(struct row_tiles *a, const uint8_t *u, int64_t lda, int64_t m, int64_t k) {
+    a->u = u, a->lda = lda, a->padded = (k + 3) / 4 * 4, a->tiles = (m + MR - 1) / MR, a->spare = NULL;
+    a->in_place = a->padded == k ? m / MR * MR : 0;
+    if (a->in_place < m) {
+        size_t bytes = (size_t)((a->tiles - a->in_place / MR) * MR * a->padded);
+        a->spare = malloc(bytes);
+        if (a->spare == NULL)
+            return -1;
+        memset(a->spare, 128, bytes);
+        for (int64_t r = a->in_place; r < m; r++)
+            memcpy(a->spare + (r - a->in_place) * a->padded, u + r * lda, (size_t)k);
+    }
+    return 0;
+}
+
+/* The sums of row tile t (of m rows) times panel p of the packed weight (k4 groups of 4) into acc; returns
+ * the tile's rows. */
+static inline int product_tile(const struct row_tiles *a, int64_t m, const int8_t *packed, int64_t k4, int64_t p,
+                               int64_t t, __m512i acc[MR][NV]) {
+    int own = t * MR < a->in_place;
+    const uint8_t *rows = own ? a->u + t * MR * a->lda : a->spare + (t * MR - a->in_place) * a->padded;
+    tile(rows, own ? a->lda : a->padded, packed + p * k4 * NR * 4, k4, acc);
+    return m - t * MR < MR ? (int)(m - t * MR) : MR;
+}
+#endif
+
 /* out [m, n] float32 = ((u - 128) . W^T) * scale: u uint8 [m, k] (rows lda apart), the weight packed as
  * above with correction[c] = 128 * sum_k W[c][k] (int32 [n]) and scale float32 [n]. Returns 0, or -1 where
- * the padded copy of the rows below could not be allocated (nothing written). */
+ * the padded copy of a partial row tile could not be allocated (nothing written). */
 int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed, const int32_t *correction,
               const float *scale, int64_t n, float *out) {
 #ifdef __AVX512VNNI__
-    int64_t k4 = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
-    int64_t padded = k4 * 4;
-    /* Rows are read in place in whole tiles; the rows of a partial last tile (every row, where k is not a
-     * multiple of 4) are copied once into whole tiles padded with zeros (u = 128). */
-    int64_t in_place = padded == k ? m / MR * MR : 0;
-    uint8_t *spare = NULL;
-    if (in_place < m) {
-        size_t bytes = (size_t)((tiles - in_place / MR) * MR * padded);
-        spare = malloc(bytes);
-        if (spare == NULL)
-            return -1;
-        memset(spare, 128, bytes);
-        for (int64_t r = in_place; r < m; r++)
-            memcpy(spare + (r - in_place) * padded, u + r * lda, (size_t)k);
-    }
+    int64_t k4 = (k + 3) / 4, panels = (n + NR - 1) / NR;
+    struct row_tiles a;
+    if (row_tiles_init(&a, u, lda, m, k))
+        return -1;
     /* An output larger than the caches (an LM head's logits) is written with streaming stores: it will not be
      * read again before it leaves the caches, and a plain store first reads each line it writes. On a Zen 4,
      * SmolLM2's head at 256 rows: 16.8 ms against 19.4. */
@@ -112,25 +138,118 @@ int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t 
     {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
-            const int8_t *panel = packed + p * k4 * NR * 4;
             int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
-            for (int64_t t = 0; t < tiles; t++) {
-                int rows = m - t * MR < MR ? (int)(m - t * MR) : MR;
-                int own = t * MR < in_place;
-                const uint8_t *a = own ? u + t * MR * lda : spare + (t * MR - in_place) * padded;
+            for (int64_t t = 0; t < a.tiles; t++) {
                 __m512i acc[MR][NV];
-                tile(a, own ? lda : padded, panel, k4, acc);
+                int rows = product_tile(&a, m, packed, k4, p, t, acc);
                 store(acc, rows, cols, correction + p * NR, scale + p * NR, out + t * MR * n + p * NR, n, stream);
             }
         }
         if (stream)
             _mm_sfence(); /* the streamed lines are visible before the caller reads them */
     }
-    free(spare);
+    free(a.spare);
 #else
     (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)n, (void)out;
 #endif
     return 0;
+}
+
+#ifdef __AVX512VNNI__
+/* For rows r < rows of a tile: the largest of y[r][c] = ((acc[r][c] - correction[c]) * scale[c]) * row_scale[r]
+ * over the panel's channels c < cols, where larger than best[r] (strictly: an earlier column keeps a tie),
+ * into best[r] and index[r] (col0 + c, the first such c). */
+static inline void track_max(__m512i acc[MR][NV], int rows, int cols, const int32_t *correction, const float *scale,
+                             const float *row_scale, int64_t col0, float *best, int64_t *index) {
+    __m512i corr[NV];
+    __m512 s[NV];
+    __mmask16 m[NV];
+    for (int j = 0; j < NV; j++) {
+        int left = cols - 16 * j;
+        m[j] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        corr[j] = _mm512_maskz_loadu_epi32(m[j], correction + 16 * j);
+        s[j] = _mm512_maskz_loadu_ps(m[j], scale + 16 * j);
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 rs = _mm512_set1_ps(row_scale[r]);
+        __m512 y[NV], top = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < NV; j++) {
+            y[j] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr[j])), s[j]), rs);
+            top = _mm512_mask_max_ps(top, m[j], top, y[j]);
+        }
+        float peak = _mm512_reduce_max_ps(top);
+        if (!(peak > best[r]))
+            continue;
+        for (int j = 0; j < NV; j++) {
+            __mmask16 hit = _mm512_mask_cmp_ps_mask(m[j], y[j], _mm512_set1_ps(peak), _CMP_EQ_OQ);
+            if (hit) {
+                best[r] = peak;
+                index[r] = col0 + 16 * j + __builtin_ctz(hit);
+                break;
+            }
+        }
+    }
+}
+#endif
+
+/* Each row's argmax over columns c < valid of ((u - 128) . W^T)[r][c] * scale[c] * row_scale[r], the values
+ * int8_gemm's products times the row scales give, in the same float32 operations: index int64 [m], the
+ * first column of a tie (torch.argmax's choice for finite values; callers pass finite row scales). The
+ * values are never stored: for an LM head's greedy step the [m, vocab] logits would be written and read
+ * back for nothing. Returns 0, or -1 where a copy of the rows could not be allocated. */
+int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                     const int32_t *correction, const float *scale, int64_t valid, const float *row_scale,
+                     int64_t *index) {
+#ifdef __AVX512VNNI__
+    int64_t k4 = (k + 3) / 4, panels = (valid + NR - 1) / NR;
+    struct row_tiles a;
+    float *best = malloc((size_t)m * sizeof(float));
+    if (best == NULL || row_tiles_init(&a, u, lda, m, k)) {
+        free(best);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        best[r] = -INFINITY, index[r] = 0;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* this thread's best of its panels (a contiguous range: static), merged below */
+        float *mine = malloc((size_t)m * (sizeof(float) + sizeof(int64_t)));
+        int64_t *at = (int64_t *)(mine + m);
+        if (mine != NULL)
+            for (int64_t r = 0; r < m; r++)
+                mine[r] = -INFINITY, at[r] = 0;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (mine == NULL)
+                continue;
+            int cols = valid - p * NR < NR ? (int)(valid - p * NR) : NR;
+            for (int64_t t = 0; t < a.tiles; t++) {
+                __m512i acc[MR][NV];
+                int rows = product_tile(&a, m, packed, k4, p, t, acc);
+                track_max(acc, rows, cols, correction + p * NR, scale + p * NR, row_scale + t * MR, p * NR,
+                          mine + t * MR, at + t * MR);
+            }
+        }
+#pragma omp critical
+        {
+            if (mine == NULL)
+                failed = 1;
+            else
+                for (int64_t r = 0; r < m; r++)
+                    if (mine[r] > best[r] || (mine[r] == best[r] && at[r] < index[r]))
+                        best[r] = mine[r], index[r] = at[r];
+        }
+        free(mine);
+    }
+    free(a.spare);
+    free(best);
+    return failed ? -1 : 0;
+#else
+    (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)valid, (void)row_scale,
+        (void)index;
+    return -1;
+#endif
 }
 
 /* Pack w int8 [n, k] (rows k apart) into panels (`packed`: ceil(n / NR) * ceil(k / 4) * NR * 4 bytes) and

@@ -52,6 +52,8 @@ def _library_or_reason() -> ctypes.CDLL | str:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.int8_gemm.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer]
     library.int8_gemm.restype = ctypes.c_int
+    library.int8_gemm_argmax.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer]
+    library.int8_gemm_argmax.restype = ctypes.c_int
     library.int8_gemm_pack.argtypes = [pointer, size, size, pointer, pointer]
     library.int8_gemm_pack.restype = None
     return library
@@ -79,16 +81,38 @@ class NativeInt8Weight:
     def products(self, u: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
         """u uint8 [M, K] (int8 activations + 128) times the weight: float32 [M, N], each exact int32 sum
         times its column's scale wscale [N]."""
-        if u.dtype != torch.uint8 or u.dim() != 2 or u.shape[1] != self.in_features:
-            raise ValueError(f"expected uint8 activations [M, {self.in_features}], got {u.dtype} {tuple(u.shape)}")
-        if wscale.numel() != self.out_features:
-            raise ValueError(f"expected {self.out_features} column scales, got {wscale.numel()}")
-        if u.stride(1) != 1:
-            u = u.contiguous()
-        wscale = wscale.float().contiguous()
+        u, wscale = self._inputs(u, wscale)
         out = torch.empty(u.shape[0], self.out_features, dtype=torch.float32)
         if u.shape[0] and self._library.int8_gemm(u.data_ptr(), u.stride(0), u.shape[0], self.in_features,
                                                   self.panels.data_ptr(), self.correction.data_ptr(),
                                                   wscale.data_ptr(), self.out_features, out.data_ptr()):
             raise MemoryError(f"no memory for a padded copy of {u.shape[0]} x {self.in_features} activations")
         return out
+
+    def argmax(self, u: torch.Tensor, wscale: torch.Tensor, row_scales: torch.Tensor, valid: int) -> torch.Tensor:
+        """`(products(u, wscale) * row_scales)[:, :valid].argmax(-1)` (int64 [M]) without writing the
+        products: the same float32 values, the first column of a tie. row_scales [M] (or [M, 1]) must be
+        finite, as torch's choice on NaN values is not reproduced."""
+        u, wscale = self._inputs(u, wscale)
+        if not 0 < valid <= self.out_features:
+            raise ValueError(f"valid={valid} columns of {self.out_features}")
+        row_scales = row_scales.float().reshape(-1).contiguous()
+        if row_scales.numel() != u.shape[0]:
+            raise ValueError(f"expected {u.shape[0]} row scales, got {row_scales.numel()}")
+        index = torch.empty(u.shape[0], dtype=torch.int64)
+        if u.shape[0] and self._library.int8_gemm_argmax(u.data_ptr(), u.stride(0), u.shape[0], self.in_features,
+                                                         self.panels.data_ptr(), self.correction.data_ptr(),
+                                                         wscale.data_ptr(), valid, row_scales.data_ptr(),
+                                                         index.data_ptr()):
+            raise MemoryError(f"no memory for the argmax of {u.shape[0]} x {self.in_features} activations")
+        return index
+
+    def _inputs(self, u: torch.Tensor, wscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u and wscale checked against the weight's shape, as the kernel reads them."""
+        if u.dtype != torch.uint8 or u.dim() != 2 or u.shape[1] != self.in_features:
+            raise ValueError(f"expected uint8 activations [M, {self.in_features}], got {u.dtype} {tuple(u.shape)}")
+        if wscale.numel() != self.out_features:
+            raise ValueError(f"expected {self.out_features} column scales, got {wscale.numel()}")
+        if u.stride(1) != 1:
+            u = u.contiguous()
+        return u, wscale.float().reshape(-1).contiguous()

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
+from kernels.cpu_int8_gemm import NativeInt8Weight
 from kernels.dispatch import (
     as_products,
     int8_outputs,
@@ -41,7 +42,7 @@ from kernels.dispatch import (
     w8a8_weight_bound,
     wq_matmul,
 )
-from kernels.int8_cpu import FULL_RANGE, packed_bytes
+from kernels.int8_cpu import FULL_RANGE, packed_bytes, packed_weight
 from kernels.wq_cpu import (
     CPU_ACTIVATION_DTYPE,
     CpuPacked,
@@ -409,15 +410,20 @@ class QuantLMHead(LMHead):
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The argmax of `forward(hidden)`. The int8 head on CPU takes its chunk maxima (`kernels.argmax`)
-        straight from the integer sums, in the pass that would have written the float logits, and
-        recomputes only the winning chunks' columns: the [rows, vocab] logits (25 MB at 128 rows of
-        SmolLM2) are never written or read back."""
+        """The argmax of `forward(hidden)`, without the [rows, vocab] logits (25 MB at 128 rows of SmolLM2)
+        where the int8 head runs on CPU: on the native GEMM, each row's best column is kept in the GEMM's own
+        pass (`NativeInt8Weight.argmax`); on the others, the chunk maxima (`kernels.argmax`) are taken from
+        the GEMM's outputs in one read pass and only the winning chunks' columns are recomputed."""
         fused = (self.mode == "int8" and hidden.device.type == "cpu" and self.tp.size == 1
                  and (self.columns is not None or hidden.dtype == torch.float32)  # float32 logits in forward
                  and self.vocab_size >= 2 * ARGMAX_CHUNK and self.choice.uses_w8a8(hidden.shape[0]))
         if not fused:
             return super().greedy(hidden)
+        weight = None if self.fast_packed is None else packed_weight(self.fast_packed)
+        if isinstance(weight, NativeInt8Weight):
+            u, row_scales = self._greedy_rows(hidden)
+            if bool(row_scales.isfinite().all()):  # else NaN logits, where torch's argmax picks the first NaN
+                return weight.argmax(u, self.fast_scales, row_scales, self.vocab_size)
         outputs, row_scales, maxima = self._greedy_outputs(hidden)
         scales = self.fast_scales.reshape(-1)
         return argmax_by_chunks(
@@ -426,6 +432,11 @@ class QuantLMHead(LMHead):
     def compile(self, **options: Any) -> None:
         super().compile(**options)
         self._greedy_outputs = compiled_copy(self._greedy_outputs, **options)
+        self._greedy_rows = compiled_copy(self._greedy_rows, **options)
+
+    def _greedy_rows(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 head's GEMM input for `hidden`: quantized rows and their scales [N, 1]."""
+        return quantize_for_gemm(self._int8_input(hidden), self.fast_packed)
 
     def _greedy_outputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The int8 head's GEMM outputs [N, vocab] (`int8_outputs`: int32 sums, or the packed GEMM's

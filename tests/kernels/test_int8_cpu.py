@@ -156,6 +156,30 @@ def test_the_native_gemm_streams_an_output_past_the_caches_to_the_same_bits(n):
     assert torch.equal(y, (x.long() @ qweight.long().T).float() * scales.reshape(1, -1))
 
 
+@pytest.mark.parametrize("m,k,n", SHAPES[1:] + [(64, 600, 49152)])
+def test_the_native_argmax_is_the_argmax_of_the_scaled_products(m, k, n):
+    """`NativeInt8Weight.argmax` keeps each row's best column in the GEMM's pass: the argmax of the products
+    times the row scales over the first `valid` columns, equal values (planted: repeated weight rows, one
+    across a panel's edge) going to the first column."""
+    qweight, scales = _weight(n, k, seed=m * k)
+    scales[n // 2 :] = scales[0]  # the upper half's columns: one scale, so that equal weight rows tie
+    scales[: n // 2].clamp_(max=scales[0].item())  # and none larger below, so that row 0's best is planted
+    qweight[n - 1] = qweight[n // 2]  # the same values in a middle and the last column
+    qweight[min(n // 2 + 50, n - 2)] = qweight[n // 2 + 47 % (n - n // 2)]  # and across a panel's edge
+    gen = torch.Generator().manual_seed(n)
+    u = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=gen)
+    u[0] = int8_cpu.uint8_activations(qweight[n // 2])  # row 0's best: the middle column (tied with the last)
+    row_scales = torch.rand(m, 1, generator=gen) + 0.5
+    owner = Owner()
+    native = int8_cpu._packed[int(_native(owner, qweight))][0]
+    products = native.products(u, scales.reshape(-1)) * row_scales
+    for valid in (n, max(1, n - 7)):
+        expected = products[:, :valid].argmax(-1)
+        assert torch.equal(native.argmax(u, scales, row_scales, valid), expected)
+    if n > 1:
+        assert native.argmax(u, scales, row_scales, n)[0] == n // 2
+
+
 def test_the_native_gemm_names_what_it_cannot_multiply():
     qweight, scales = _weight(20, 16, seed=8)
     owner = Owner()
@@ -164,6 +188,11 @@ def test_the_native_gemm_names_what_it_cannot_multiply():
         native.products(torch.zeros(3, 16, dtype=torch.int8), scales.reshape(-1))
     with pytest.raises(ValueError, match="20 column scales, got 19"):
         native.products(torch.zeros(3, 16, dtype=torch.uint8), scales.reshape(-1)[:19])
+    u = torch.zeros(3, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="valid=21 columns of 20"):
+        native.argmax(u, scales, torch.ones(3), 21)
+    with pytest.raises(ValueError, match="expected 3 row scales, got 2"):
+        native.argmax(u, scales, torch.ones(2), 20)
 
 
 def test_the_native_gemm_says_why_it_is_off(monkeypatch):

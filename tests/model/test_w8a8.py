@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_int8_gemm
 from kernels.dispatch import w8a8_weight_bound
+from kernels.int8_cpu import pack_int8_weight, pack_native_int8_weight
 from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import quantize_int8, wq_matmul_reference
 from pipeline.model import loader
@@ -220,15 +222,26 @@ def test_split_int8_head_is_the_w8a8_product_of_the_split_columns_and_beats_plai
     assert split_err < plain_err / 3
 
 
+def _pack_head(head: QuantLMHead, gemm: str) -> None:
+    """Put the int8 head on `gemm`: "int_mm" (its plain int8 weight), "onednn" or "native" (packed)."""
+    if gemm == "native" and cpu_int8_gemm.unavailable_reason():
+        pytest.skip(f"no native int8 GEMM here: {cpu_int8_gemm.unavailable_reason()}")
+    pack = {"onednn": pack_int8_weight, "native": pack_native_int8_weight}.get(gemm)
+    if pack is not None:
+        head.use_packed_int8(pack(head, head.fast_weight))
+
+
+@pytest.mark.parametrize("gemm", ["int_mm", "onednn", "native"])
 @pytest.mark.parametrize("vocab,split,compiled", [
     (49152, True, False),  # whole chunks, outlier channels split
     (49152, False, True),  # the compiled head, as the engine runs it
     (5000, True, False),  # a ragged tail past the last whole chunk
     (1500, False, False),  # under two chunks: the plain argmax of the logits
 ])
-def test_int8_head_greedy_is_the_argmax_of_its_logits(vocab, split, compiled):
-    """`greedy` takes the int8 head's chunk maxima from its integer sums and never writes the logits; the
-    tokens are the logits' argmax all the same, ties (two equal weight rows: the first id) included."""
+def test_int8_head_greedy_is_the_argmax_of_its_logits(vocab, split, compiled, gemm):
+    """`greedy` never writes the int8 head's logits (the native GEMM keeps each row's best column in its own
+    pass; the others take chunk maxima from the GEMM's outputs); the tokens are the logits' argmax all the
+    same, ties (two equal weight rows: the first id) included."""
     if compiled and cpp_compiler() is None:
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     g = torch.Generator().manual_seed(vocab)
@@ -243,10 +256,27 @@ def test_int8_head_greedy_is_the_argmax_of_its_logits(vocab, split, compiled):
     x[1] = head.weight.data[701] * 4
     copies = column_copies(x.abs().amax(0), outliers=4) if split else None
     q = QuantLMHead(head, KernelChoice("", 1), "int8", copies)
+    _pack_head(q, gemm)
     if compiled:
         q.compile(dynamic=True)
     logits = q(x)
     assert logits.argmax(-1)[:2].tolist() == [700, 701]  # the planted ties are the rows' maxima
+    assert torch.equal(q.greedy(x), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "native"])
+def test_int8_head_greedy_of_a_non_finite_row_is_still_the_logits_argmax(gemm):
+    """A row with inf or NaN makes NaN logits, where torch's argmax picks the first NaN: the fused paths
+    stand aside for such a step, and its finite rows get their tokens all the same."""
+    g = torch.Generator().manual_seed(3)
+    head = LMHead(4096, 32)
+    head.weight.data.normal_(generator=g)
+    q = QuantLMHead(head, KernelChoice("", 1), "int8")
+    _pack_head(q, gemm)
+    x = torch.randn(5, 32, generator=g)
+    x[1, 3], x[3, 0] = float("nan"), float("inf")
+    logits = q(x)
+    assert logits[1].isnan().any() and logits[3].isnan().any()
     assert torch.equal(q.greedy(x), logits.argmax(-1))
 
 
