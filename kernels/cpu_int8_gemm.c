@@ -28,8 +28,10 @@
 
 #ifdef __AVX512VNNI__
 
-/* acc[r][j] += sum over k of a[r][k] * panel[k][16 j ...]: rows r < MR of a (lda apart), groups g < k4. */
-static inline void tile(const uint8_t *a, int64_t lda, const int8_t *panel, int64_t k4, __m512i out[MR][NV]) {
+/* acc[r][j] += sum over k of a[r][k] * panel[k][16 j ...]: rows r < MR of a (lda apart), groups g < k4.
+ * Meanwhile `lines` cache lines from `next` are fetched into L2, `per` of them per group (see product_tile). */
+static inline void tile(const uint8_t *a, int64_t lda, const int8_t *panel, int64_t k4, __m512i out[MR][NV],
+                        const int8_t *next, int64_t lines, int per) {
     __m512i acc[MR][NV]; /* a local array, so that the compiler keeps it in registers */
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++)
@@ -37,6 +39,9 @@ static inline void tile(const uint8_t *a, int64_t lda, const int8_t *panel, int6
             acc[r][j] = _mm512_setzero_si512();
     for (int64_t g = 0; g < k4; g++) {
         const int8_t *w = panel + g * NR * 4;
+        for (int i = 0; i < per; i++)
+            if (g * per + i < lines)
+                _mm_prefetch((const char *)next + (g * per + i) * 64, _MM_HINT_T1);
         __m512i wv[NV];
         for (int j = 0; j < NV; j++)
             wv[j] = _mm512_loadu_si512(w + 64 * j);
@@ -109,13 +114,18 @@ static int row_tiles_init(struct row_tiles *a, const uint8_t *u, int64_t lda, in
     return 0;
 }
 
-/* The sums of row tile t (of m rows) times panel p of the packed weight (k4 groups of 4) into acc; returns
- * the tile's rows. */
+/* The sums of row tile t (of m rows) times panel p (of `panels`) of the packed weight (k4 groups of 4) into
+ * acc; returns the tile's rows. Each row tile of a panel also fetches its share of the next panel: a panel is
+ * read from memory once, by its first row tile, and the hardware prefetcher stops at each 4 KiB page, so
+ * without this the first tile waited on memory (SmolLM2 steps of 64 rows: 0.974 of the time, lock-step). */
 static inline int product_tile(const struct row_tiles *a, int64_t m, const int8_t *packed, int64_t k4, int64_t p,
-                               int64_t t, __m512i acc[MR][NV]) {
+                               int64_t panels, int64_t t, __m512i acc[MR][NV]) {
     int own = t * MR < a->in_place;
     const uint8_t *rows = own ? a->u + t * MR * a->lda : a->spare + (t * MR - a->in_place) * a->padded;
-    tile(rows, own ? a->lda : a->padded, packed + p * k4 * NR * 4, k4, acc);
+    int64_t panel_bytes = k4 * NR * 4, share = (panel_bytes / a->tiles + 63) / 64 * 64;
+    int64_t lines = p + 1 < panels ? share / 64 : 0;
+    tile(rows, own ? a->lda : a->padded, packed + p * panel_bytes, k4, acc, packed + (p + 1) * panel_bytes + t * share,
+         lines, (int)((lines + k4 - 1) / k4));
     return m - t * MR < MR ? (int)(m - t * MR) : MR;
 }
 #endif
@@ -141,7 +151,7 @@ int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t 
             int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
             for (int64_t t = 0; t < a.tiles; t++) {
                 __m512i acc[MR][NV];
-                int rows = product_tile(&a, m, packed, k4, p, t, acc);
+                int rows = product_tile(&a, m, packed, k4, p, panels, t, acc);
                 store(acc, rows, cols, correction + p * NR, scale + p * NR, out + t * MR * n + p * NR, n, stream);
             }
         }
@@ -226,7 +236,7 @@ int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const 
             int cols = valid - p * NR < NR ? (int)(valid - p * NR) : NR;
             for (int64_t t = 0; t < a.tiles; t++) {
                 __m512i acc[MR][NV];
-                int rows = product_tile(&a, m, packed, k4, p, t, acc);
+                int rows = product_tile(&a, m, packed, k4, p, panels, t, acc);
                 track_max(acc, rows, cols, correction + p * NR, scale + p * NR, row_scale + t * MR, p * NR,
                           mine + t * MR, at + t * MR);
             }
