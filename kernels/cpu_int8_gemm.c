@@ -14,6 +14,9 @@
  * Tile: MR = 8 rows x NR channels in 24 int32 accumulators. Each group of four k loads the panel's three
  * weight vectors once and broadcasts each row's four activations: 24 vpdpbusd per 3 loads and 8
  * broadcasts. Rows of a tile share the panel, which stays in L1/L2 while the row tiles pass over it.
+ *
+ * Entry points: int8_gemm stores the products; int8_gemm_argmax runs the same tiles and keeps only each
+ * row's largest product and its column (an LM head's greedy step).
  */
 #include <immintrin.h>
 #include <math.h>
