@@ -443,7 +443,7 @@ class QuantLMHead(LMHead):
         products), row scales [N, 1] and the chunk maxima of the logits they make, products x row scale
         (compiled, the maxima fuse into one read pass over the outputs: no float32 products or logits are
         stored; at 256 rows of SmolLM2 that pass took 2.4 ms against 5.6 storing the products)."""
-        q, row_scales = quantize_for_gemm(self._int8_input(hidden), self.fast_packed)
+        q, row_scales = QuantLMHead._greedy_rows(self, hidden)  # the plain method: one graph, not two nested
         outputs = int8_outputs(q, self.fast_weight, self.fast_scales, self.fast_packed)
         return outputs, row_scales, chunk_maxima(as_products(outputs, self.fast_scales.reshape(1, -1)) * row_scales)
 
