@@ -22,6 +22,9 @@
 
 typedef int (*gemm_fn)(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
                        const int32_t *correction, const float *scale, int64_t n, float *out);
+typedef int (*gemm_silu_fn)(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                            const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
+                            const float *smooth, float *out);
 typedef void (*write_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
                          int64_t n, void *k_pool, void *v_pool, float *k_scale, float *v_scale,
                          int64_t num_kv_heads, int64_t num_blocks);
@@ -56,6 +59,7 @@ struct step {
     const int64_t *slots, *tables, *lens, *first;
     int64_t table_stride, num_blocks;
     gemm_fn gemm;
+    gemm_silu_fn gemm_silu; /* the GEMM's fused gated-MLP entry (int8_gemm_silu) */
     write_fn write;
     decode_fn decode;
     uint8_t *u;
@@ -195,20 +199,24 @@ static void silu_quantize(const struct linear *down, const struct step *s)
     for (int64_t r = 0; r < s->rows; r++) {
         const float *gate = s->gate_up + r * 2 * i, *up = gate + i;
         float *t = s->tmp + r * i;
-        const __m512 sr = _mm512_set1_ps(s->sx[r]), one = _mm512_set1_ps(1.0f);
+        const __m512 sr = _mm512_set1_ps(s->sx[r]);
         for (int64_t c = 0; c < i; c += 16) {
             __mmask16 m = lanes(i - c);
-            __m512 g = _mm512_mul_ps(load(gate + c, m), sr), u = _mm512_mul_ps(load(up + c, m), sr);
-            /* sigmoid(g) from exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below */
-            __m512 e = (__m512)vexp((vec)_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-            __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
-            __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e))), u);
+            __m512 y = silu_times(_mm512_mul_ps(load(gate + c, m), sr), _mm512_mul_ps(load(up + c, m), sr));
             if (down->smooth)
                 y = _mm512_mul_ps(y, load(down->smooth + c, m));
             store(t + c, m, y);
         }
         s->sx[r] = quantize_row(t, i, s->u + r * i);
     }
+}
+
+/* Each row of y [rows, k] quantized into s->u and s->sx. */
+static void quantize_rows(const float *y, int64_t k, const struct step *s)
+{
+#pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
+    for (int64_t r = 0; r < s->rows; r++)
+        s->sx[r] = quantize_row(y + r * k, k, s->u + r * k);
 }
 
 static inline double now(void)
@@ -243,9 +251,16 @@ int decode_layers(const struct layer *layers, int64_t count, const struct step *
             return -1;
         add_scaled(x, s->proj, s->hidden, s);
         norm_quantize(x, L->post_norm, &L->gate_up, s);
-        if (gemm(s, &L->gate_up, s->gate_up))
+        /* the activation from the GEMM's tiles (the products never stored), else from the stored products */
+        const struct linear *gu = &L->gate_up;
+        const int fused = s->gemm_silu(s->u, gu->k, s->rows, gu->k, gu->panels, gu->correction, gu->scale,
+                                       s->intermediate, s->sx, L->down.smooth, s->tmp);
+        if (fused == -1 || (fused == -2 && gemm(s, gu, s->gate_up)))
             return -1;
-        silu_quantize(&L->down, s);
+        if (fused == 0)
+            quantize_rows(s->tmp, s->intermediate, s);
+        else
+            silu_quantize(&L->down, s);
         if (gemm(s, &L->down, s->proj))
             return -1;
         add_scaled(x, s->proj, s->hidden, s);

@@ -16,7 +16,8 @@
  * broadcasts. Rows of a tile share the panel, which stays in L1/L2 while the row tiles pass over it.
  *
  * Entry points: int8_gemm stores the products; int8_gemm_argmax runs the same tiles and keeps only each
- * row's largest product and its column (an LM head's greedy step).
+ * row's largest product and its column (an LM head's greedy step); int8_gemm_silu turns a gate_up weight's
+ * products into the gated MLP's activation as the tiles come out.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -30,6 +31,10 @@
 #define STREAM_BYTES (8 << 20)
 
 #ifdef __AVX512VNNI__
+typedef float vec __attribute__((vector_size(64)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+static inline vec splat(float x) { return (vec){0} + x; }
+#include "cpu_vexp.h"
 
 /* acc[r][j] += sum over k of a[r][k] * panel[k][16 j ...]: rows r < MR of a (lda apart), groups g < k4.
  * Meanwhile `lines` cache lines from `next` are fetched into L2, `per` of them per group (see product_tile). */
@@ -261,6 +266,82 @@ int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const 
 #else
     (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)valid, (void)row_scale,
         (void)index;
+    return -1;
+#endif
+}
+
+#ifdef __AVX512VNNI__
+/* out[r][c] = silu(gate[r][c] * row_scale[r]) x up[r][c] * row_scale[r] (x smooth[c] unless NULL) for rows
+ * r < rows of a tile and the panel's NR channels: up[r][c] the tile's products, scaled as `store` scales them;
+ * gate the gate panel's products as `store` wrote them, NR apart. */
+static inline void silu_store(__m512i acc[MR][NV], int rows, const int32_t *correction, const float *scale,
+                              const float *gate, const float *row_scale, const float *smooth, float *out,
+                              int64_t ldo) {
+    for (int j = 0; j < NV; j++) {
+        __m512i corr = _mm512_loadu_si512(correction + 16 * j);
+        __m512 s = _mm512_loadu_ps(scale + 16 * j);
+        for (int r = 0; r < rows; r++) {
+            __m512 sr = _mm512_set1_ps(row_scale[r]);
+            __m512 up = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), s), sr);
+            __m512 y = silu_times(_mm512_mul_ps(_mm512_loadu_ps(gate + r * NR + 16 * j), sr), up);
+            if (smooth)
+                y = _mm512_mul_ps(y, _mm512_loadu_ps(smooth + 16 * j));
+            _mm512_storeu_ps(out + r * ldo + 16 * j, y);
+        }
+    }
+}
+#endif
+
+/* A gated MLP's activation straight from its gate_up GEMM: out [m, half] float32 = silu(gate x row_scale) x
+ * (up x row_scale) (x smooth [half] unless NULL), where gate and up are int8_gemm's products for the weight's
+ * first and last `half` channels (one [gate; up] weight, n = 2 * half), in the same float32 operations as
+ * scaling the stored products and applying silu_times. The [m, 2 * half] products are never written: each
+ * thread takes pairs of panels (gate channels c .. c + NR - 1 and their up channels), the gate panel's tiles
+ * into a buffer of its own, then the up panel's tiles combined with them. Returns 0; -2 where half is not a
+ * multiple of the panel width (nothing done: use int8_gemm); -1 where a buffer could not be allocated (out
+ * then incomplete). */
+int int8_gemm_silu(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                   const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
+                   const float *smooth, float *out) {
+#ifdef __AVX512VNNI__
+    if (half % NR)
+        return -2;
+    int64_t k4 = (k + 3) / 4, pairs = half / NR;
+    struct row_tiles a;
+    if (row_tiles_init(&a, u, lda, m, k))
+        return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *gate = malloc((size_t)(a.tiles * MR * NR) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < pairs; q++) {
+            if (gate == NULL)
+                continue;
+            for (int64_t t = 0; t < a.tiles; t++) {
+                __m512i acc[MR][NV];
+                int rows = product_tile(&a, m, packed, k4, q, 2 * pairs, t, acc);
+                store(acc, rows, NR, correction + q * NR, scale + q * NR, gate + t * MR * NR, NR, 0);
+            }
+            int64_t p = pairs + q;
+            for (int64_t t = 0; t < a.tiles; t++) {
+                __m512i acc[MR][NV];
+                int rows = product_tile(&a, m, packed, k4, p, 2 * pairs, t, acc);
+                silu_store(acc, rows, correction + p * NR, scale + p * NR, gate + t * MR * NR, row_scale + t * MR,
+                           smooth ? smooth + q * NR : NULL, out + t * MR * half + q * NR, half);
+            }
+        }
+        if (gate == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        free(gate);
+    }
+    free(a.spare);
+    return failed ? -1 : 0;
+#else
+    (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)half, (void)row_scale,
+        (void)smooth, (void)out;
     return -1;
 #endif
 }

@@ -8,7 +8,9 @@ counts decode steps run (64-256), with a step's weights streaming from memory, o
 worst; one register tile of 8 rows x 48 channels looping over a packed panel does better there (figures in
 docs/performance.md). The model times it against oneDNN's at load and keeps the faster
 (`pipeline.model.int8_gemm`). Its argmax entry (`NativeInt8Weight.argmax`) gives
-each row's best column of the products without storing them, for the int8 LM head's greedy steps.
+each row's best column of the products without storing them, for the int8 LM head's greedy steps; its SiLU
+entry (`int8_gemm_silu`, called from the native decode layers) gives a gate_up weight's gated activation
+without storing the products.
 
 Built by `kernels.native_build`; where it cannot run (no AVX-512 VNNI, no C compiler,
 `PIPELINE_NATIVE_GEMM=off`), `unavailable_reason` says why.
@@ -36,8 +38,8 @@ def unavailable_reason() -> str | None:
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernel library (its `int8_gemm` is what callers in C take as a function pointer);
-    RuntimeError where it cannot run."""
+    """The loaded kernel library (its `int8_gemm` and `int8_gemm_silu` are what callers in C take as function
+    pointers); RuntimeError where it cannot run."""
     loaded = _library_or_reason()
     if isinstance(loaded, str):
         raise RuntimeError(f"no native int8 GEMM: {loaded}")
@@ -55,6 +57,9 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.int8_gemm.restype = ctypes.c_int
     library.int8_gemm_argmax.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer]
     library.int8_gemm_argmax.restype = ctypes.c_int
+    library.int8_gemm_silu.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer,
+                                       pointer]
+    library.int8_gemm_silu.restype = ctypes.c_int
     library.int8_gemm_pack.argtypes = [pointer, size, size, pointer, pointer]
     library.int8_gemm_pack.restype = None
     return library

@@ -116,6 +116,7 @@ class NativeDecodeLayers:
                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size)
         self.eps = model.layers[0].input_layernorm.eps
         self.gemm = function_address(cpu_int8_gemm.library().int8_gemm)
+        self.gemm_silu = function_address(cpu_int8_gemm.library().int8_gemm_silu)
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
         self._scratch = torch.empty(0)
 
@@ -133,7 +134,7 @@ class NativeDecodeLayers:
         step = Step(rows=t, eps=self.eps, attention_scale=rows.scale, cos=cos.data_ptr(), sin=sin.data_ptr(),
                     slots=rows.slots.data_ptr(), tables=rows.tables.data_ptr(), lens=rows.lens.data_ptr(),
                     first=rows.first.data_ptr(), table_stride=rows.tables.shape[1],
-                    num_blocks=rows.k_pools[0].shape[1], gemm=self.gemm,
+                    num_blocks=rows.k_pools[0].shape[1], gemm=self.gemm, gemm_silu=self.gemm_silu,
                     write=rows.kernel.write_address, decode=rows.kernel.decode_address, **cfg)
         self._fill_scratch(step, t)
         rows.spent(cpu_decode_layers.decode_layers(self.layers, step, x.data_ptr()))

@@ -180,6 +180,38 @@ def test_the_native_argmax_is_the_argmax_of_the_scaled_products(m, k, n):
         assert native.argmax(u, scales, row_scales, n)[0] == n // 2
 
 
+@pytest.mark.parametrize("m,k,half", [(0, 40, 48), (1, 40, 48), (17, 37, 96), (130, 576, 1536)])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_the_native_silu_entry_is_silu_of_the_scaled_gate_times_the_scaled_up(m, k, half, smooth):
+    """`int8_gemm_silu` on a [gate; up] weight: silu(gate x row scale) x up x row scale (x the smoothing
+    vector) from the products `int8_gemm` stores, within the exp's few ulp; a width that is not a multiple of
+    the panel is refused (-2) without writing."""
+    qweight, scales = _weight(2 * half, k, seed=m + k)
+    gen = torch.Generator().manual_seed(half)
+    u = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=gen)
+    row_scales = torch.rand(m, generator=gen) * 4 + 0.1
+    vector = torch.rand(half, generator=gen) + 0.5 if smooth else None
+    owner = Owner()
+    native = int8_cpu._packed[int(_native(owner, qweight))][0]
+    products = native.products(u, scales.reshape(-1)) * row_scales[:, None]
+    expected = torch.nn.functional.silu(products[:, :half]) * products[:, half:]
+    if smooth:
+        expected = expected * vector
+    out = torch.full((m, half), float("nan"))
+    library = cpu_int8_gemm.library()
+
+    def call(width: int) -> int:
+        return library.int8_gemm_silu(u.data_ptr(), k, m, k, native.panels.data_ptr(), native.correction.data_ptr(),
+                                      scales.data_ptr(), width, row_scales.data_ptr(),
+                                      vector.data_ptr() if smooth else None, out.data_ptr())
+
+    assert call(half) == 0
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6 * (expected.abs().amax().item() if m else 1.0))
+    if m:
+        out.fill_(float("nan"))
+        assert call(half - 1) == -2 and out.isnan().all()
+
+
 def test_the_native_gemm_names_what_it_cannot_multiply():
     qweight, scales = _weight(20, 16, seed=8)
     owner = Owner()

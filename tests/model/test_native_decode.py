@@ -3,10 +3,12 @@ the same engine steps, and where they must stand aside."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from kernels import cpu_decode_layers
+from kernels import cpu_decode_layers, cpu_int8_gemm
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -78,6 +80,31 @@ def test_native_layers_give_the_torch_layers_hidden_states_on_every_step(tiny_mo
     assert loaded.model.kernel_choice.native_layer_steps == len(pairs)
     for _, expected, got in pairs:
         _assert_same_arithmetic(got, expected)
+
+
+def test_the_mlp_activation_from_the_gemms_tiles_gives_the_stored_products_bits(tmp_path, native_gemm,
+                                                                                 monkeypatch):
+    """An MLP width that is a multiple of the GEMM's panel takes the fused gate_up + SiLU entry: the same
+    hidden states as the torch layers, and the same bits as the native layers with that entry refused."""
+    checkpoint = build_tiny_checkpoint(tmp_path / "wide", seed=3, intermediate_size=4 * cpu_int8_gemm.PANEL)
+    runs = []
+    for fused in (True, False):
+        loaded = load_model(checkpoint, quant="w8a8")
+        native = loaded.model.native_layers
+        assert native is not None, native_decode_reason(loaded.model)
+        if not fused:  # the entry answers "not this width", as for any width off the panel
+            refuse = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 11)(lambda *args: -2)
+            native.gemm_silu = ctypes.cast(refuse, ctypes.c_void_p).value
+        with monkeypatch.context() as patch:
+            pairs = _paired_steps(patch)
+            _generate(loaded, max_batched_tokens=16)
+        assert len(pairs) >= 6 and all(got is not None for _, _, got in pairs)
+        runs.append([got for _, _, got in pairs])
+        if fused:
+            for _, expected, got in pairs:
+                _assert_same_arithmetic(got, expected)
+        _script_native(monkeypatch)  # for the second load
+    assert len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_a_sliding_window_runs_natively_and_biases_keep_the_torch_layers(tmp_path, native_gemm, monkeypatch):
