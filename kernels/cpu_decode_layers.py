@@ -43,8 +43,9 @@ class Step(ctypes.Structure):
                 ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
                 ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("tables", _pointer), ("lens", _pointer),
                 ("first", _pointer), ("table_stride", _size), ("num_blocks", _size), ("gemm", _pointer),
-                ("gemm_silu", _pointer), ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer), ("tmp", _pointer),
-                ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer), ("proj", _pointer)]
+                ("gemm_silu", _pointer), ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer),
+                ("tmp", _pointer), ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer),
+                ("proj", _pointer)]
 
 
 def unavailable_reason() -> str | None:

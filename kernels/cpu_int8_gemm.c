@@ -306,6 +306,8 @@ int int8_gemm_silu(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const in
 #ifdef __AVX512VNNI__
     if (half % NR)
         return -2;
+    if (m == 0)
+        return 0;
     int64_t k4 = (k + 3) / 4, pairs = half / NR;
     struct row_tiles a;
     if (row_tiles_init(&a, u, lda, m, k))
