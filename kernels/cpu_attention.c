@@ -241,9 +241,8 @@ int paged_integer_scores(void)
 #define TILE 4
 
 /* Scores of keys lo .. hi - 1 of one block (kb: its keys; its key scales at scales for int8 pools) into
- * s[g * TILE * BLOCK + t], -inf for the block's other keys; prefetches the next block (next_k, or NULL). */
+ * s[g * TILE * BLOCK + t], -inf for the block's other keys. */
 static inline void block_scores(float *s, const kv_t *kb, const float *scales, int lo, int hi,
-                                const kv_t *next_k, const kv_t *next_v,
 #ifdef INT_SCORES
                                 const __m512i q16[GROUP][I16_CHUNKS], const float *q_scale
 #else
@@ -252,13 +251,6 @@ static inline void block_scores(float *s, const kv_t *kb, const float *scales, i
 )
 {
     (void)scales;
-    /* The next block (blocks are scattered 4 KiB pieces, which the hardware prefetcher does not follow): a
-     * slice of it per key, so that its loads overlap this block's arithmetic. */
-    for (int t = lo; next_k && t < hi; t++)
-        for (int i = t * HEAD_DIM; i < (t + 1) * HEAD_DIM; i += 64 / sizeof(kv_t)) {
-            __builtin_prefetch(next_k + i);
-            __builtin_prefetch(next_v + i);
-        }
 #ifdef INT_SCORES
     /* every key of the block (int8 keys past `hi` are stale but finite), then the ones outside lo .. hi - 1
      * are set to -inf */
@@ -336,8 +328,45 @@ static void thread_tasks(const int64_t *lens, const int64_t *first, int64_t rows
 #undef TASK_COST
 }
 
+/* The keys (k_pool: a pool's block addresses) of the TILE blocks after position `tile` of task (row
+ * task / num_kv_heads, its KV head) that ends at end: after the task's last tile, the first tile of the next
+ * task, unless that is end_task; NULL where there are none. */
+static inline void next_tile(const kv_t *k_pool, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                             const int64_t *first, int64_t num_kv_heads, int64_t num_blocks, int64_t task,
+                             int64_t tile, int64_t end_task, const kv_t *ahead[TILE])
+{
+    int64_t pos = tile + TILE * BLOCK;
+    if (pos >= lens[task / num_kv_heads] && ++task < end_task)
+        pos = first[task / num_kv_heads] - first[task / num_kv_heads] % BLOCK;
+    const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
+    for (int b = 0; b < TILE; b++, pos += BLOCK)
+        ahead[b] = task < end_task && pos < lens[r]
+                       ? k_pool + (h * num_blocks + tables[r * table_stride + pos / BLOCK]) * BLOCK * HEAD_DIM
+                       : NULL;
+}
+
+/* All of a block's keys and values (k: its keys, v_off: the values' distance) into the caches, and for int8
+ * pools their scales (one cache line each). */
+static inline void fetch_block(const kv_t *k, int64_t v_off, const kv_t *k_pool, const float *k_scale,
+                               const float *v_scale)
+{
+    for (int i = 0; i < BLOCK * HEAD_DIM; i += 64 / sizeof(kv_t)) {
+        __builtin_prefetch(k + i, 0, 2);
+        __builtin_prefetch(k + v_off + i, 0, 2);
+    }
+#ifdef KV_I8
+    __builtin_prefetch(k_scale + (k - k_pool) / HEAD_DIM);
+    __builtin_prefetch(v_scale + (k - k_pool) / HEAD_DIM);
+#else
+    (void)k_pool, (void)k_scale, (void)v_scale;
+#endif
+}
+
 /* Row r attends to its keys at positions first[r] .. lens[r] - 1; tables is [rows, table_stride]. Each
- * (row, KV head) task walks its blocks TILE at a time: scores, one online-softmax update, then p v. */
+ * (row, KV head) task walks its blocks TILE at a time: scores, one online-softmax update, then p v. Blocks
+ * are scattered pieces that the hardware prefetcher does not follow, so while a tile computes, the next
+ * tile's blocks are fetched (after a task's last tile, the next task's first): with the fetch one block
+ * ahead, a block from DRAM came too late, and each task's first blocks were waited for whole. */
 void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const float *k_scale,
                   const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
                   const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
@@ -345,9 +374,10 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
 {
 #pragma omp parallel
     {
-        int64_t lo, hi;
-        thread_tasks(lens, first, rows, num_kv_heads, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        for (int64_t task = lo; task < hi; task++) {
+        int64_t lo_task, hi_task;
+        thread_tasks(lens, first, rows, num_kv_heads, omp_get_thread_num(), omp_get_num_threads(), &lo_task,
+                     &hi_task);
+        for (int64_t task = lo_task; task < hi_task; task++) {
             const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
             vec acc[GROUP][CHUNKS], qs[GROUP][CHUNKS];
             float m[GROUP], l[GROUP]; /* running max and sum of the online softmax */
@@ -373,24 +403,25 @@ void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const 
                 const int64_t blocks_left = (end - tile + BLOCK - 1) / BLOCK;
                 const int n = blocks_left < TILE ? (int)blocks_left : TILE;
                 float s[GROUP][TILE * BLOCK];
-                const kv_t *kb[TILE];
+                const kv_t *kb[TILE], *ahead[TILE];
                 int lo[TILE], hi[TILE];
-                for (int b = 0; b < n; b++) {
+                next_tile(k_pool, tables, table_stride, lens, first, num_kv_heads, num_blocks, task, tile, hi_task,
+                          ahead);
+                for (int b = 0; b < TILE; b++) {
+                    if (ahead[b])
+                        fetch_block(ahead[b], v_off, k_pool, k_scale, v_scale);
+                    if (b >= n)
+                        continue;
                     const int64_t start = tile + b * BLOCK;
                     kb[b] = k_head + table[start / BLOCK] * BLOCK * HEAD_DIM;
                     lo[b] = start > first[r] ? 0 : (int)(first[r] - start);
                     hi[b] = end - start < BLOCK ? (int)(end - start) : BLOCK;
-                    const kv_t *next_k = start + BLOCK < end ? k_head + table[start / BLOCK + 1] * BLOCK * HEAD_DIM : NULL;
 #ifdef KV_I8
-                    if (next_k) { /* the next block's BLOCK scales: one cache line each for keys and values */
-                        __builtin_prefetch(k_scale + (next_k - k_pool) / HEAD_DIM);
-                        __builtin_prefetch(v_scale + (next_k - k_pool) / HEAD_DIM);
-                    }
                     const float *scales = k_scale + (kb[b] - k_pool) / HEAD_DIM;
 #else
                     const float *scales = NULL;
 #endif
-                    block_scores(&s[0][b * BLOCK], kb[b], scales, lo[b], hi[b], next_k, next_k ? next_k + v_off : NULL,
+                    block_scores(&s[0][b * BLOCK], kb[b], scales, lo[b], hi[b],
 #ifdef INT_SCORES
                                  q16, q_scale
 #else
