@@ -42,11 +42,13 @@ def stored(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype):
 
 def queries_as_scored(kernel: cpu_attention.PagedDecodeKernel, q: torch.Tensor, scale: float) -> torch.Tensor:
     """The queries the kernel's scores see: with integer scores (int8 pools, AVX-512 builds) each query times
-    `scale` is rounded to int16 with its own scale, 2^-15 of its largest value; else q itself."""
+    `scale` is rounded to int16 with its own scale, 2^-15 of its largest value (times the scale's float32
+    reciprocal, as the kernel: dividing instead rounds some halves the other way); else q itself."""
     if not kernel.integer_scores:
         return q
-    step = (q * scale).abs().amax(-1, keepdim=True) / 32767
-    return torch.round(q * scale / torch.where(step > 0, step, 1.0)) * step / scale
+    scaled = q * scale
+    step = scaled.abs().amax(-1, keepdim=True) / 32767
+    return torch.round(scaled * torch.where(step > 0, 1 / step, 0.0)) * step / scale
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -61,7 +63,7 @@ def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
     k, v, perm = scattered_pools(hkv, rows * width, block, dim)
     pools, scales, (k, v) = stored(k, v, kv_dtype)
     tables = perm[: rows * width].view(rows, width).contiguous()
-    q = torch.randn(rows, hkv * group, dim)
+    q = torch.randn(rows, hkv * group, dim, generator=torch.Generator().manual_seed(2))
     out = kernel(q, *pools, tables, lens, torch.zeros_like(lens), dim**-0.5, **scales)
     expect = paged_decode_reference(queries_as_scored(kernel, q, dim**-0.5), k, v, tables, lens, dim**-0.5)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
@@ -82,7 +84,7 @@ def test_reads_only_keys_from_first_to_len(kv_dtype):
         for pos in [*range(0, lo), *range(hi, 4 * block)]:
             blk, off = tables[row, pos // block], pos % block
             k[:, blk, off] = v[:, blk, off] = float("nan")
-    q = torch.randn(4, 3 * group, dim)
+    q = torch.randn(4, 3 * group, dim, generator=torch.Generator().manual_seed(2))
     out = kernel(q, k, v, tables, lens, first, 0.125)
     expect = torch.stack([
         attention_part(q[r : r + 1], gather_keys(k, tables[r], lo, hi).float(),
@@ -100,7 +102,7 @@ def test_int8_scores_only_keys_from_first_to_len():
     first = torch.tensor([3, 33, 16, 0])
     k, v, perm = scattered_pools(3, 32, block, dim, seed=1)
     tables = perm[:16].view(4, 4).contiguous()
-    q = torch.randn(4, 3 * group, dim)
+    q = torch.randn(4, 3 * group, dim, generator=torch.Generator().manual_seed(2))
     for row, (lo, hi) in enumerate(zip(first.tolist(), lens.tolist())):
         for pos in [*range(0, lo), *range(hi, 4 * block)]:
             blk, off = tables[row, pos // block], pos % block
