@@ -41,7 +41,7 @@ def choose_quant(
     """Compare the weight-only scheme (torch's bf16-activation kernels where `weight_only_kernels` says they
     run vectorized, at `hw`'s bf16 peak; else dequantized to float32 per call) with W8A8 (int8 weights,
     `hw`'s int8 peak) on the decode roofline for batches 1..`max_batch`."""
-    lm_head = "int8"  # split outlier channels: as close to float32 as bf16, and faster (quant.column_copies)
+    lm_head = "int8"  # split outlier channels: as close to float32 as bf16, and faster (quant.head_layout)
     wo = precision(WEIGHT_ONLY_PRECISION[weight_only])
     wo_compute = "bf16" if weight_only_kernels and "bf16" in hw.flops else "fp32"
     if wo_compute == "fp32":

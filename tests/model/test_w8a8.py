@@ -24,6 +24,7 @@ from pipeline.model.quant import (
     QuantLMHead,
     attach_w8a8,
     column_copies,
+    head_layout,
     smoothing_factors,
 )
 from tests.reference import prompt_logits
@@ -222,6 +223,31 @@ def test_split_int8_head_is_the_w8a8_product_of_the_split_columns_and_beats_plai
     assert split_err < plain_err / 3
 
 
+def test_smoothed_int8_head_is_the_w8a8_product_of_the_smoothed_split_columns():
+    """`head_layout`'s smoothing: input channel j divided by s_j and weight column j multiplied by it before
+    the per-row int8 rounding, then the outliers left split; the logits are that W8A8 product, closer to the
+    float head's, in fewer columns, than splitting as many channels without smoothing."""
+    g = torch.Generator().manual_seed(1)
+    vocab, hidden = 512, 64
+    head = LMHead(vocab, hidden)
+    head.weight.data.normal_(generator=g)
+    x = torch.randn(32, hidden, generator=g)
+    for channel, factor in ((5, 40), (9, 25), (17, 12), (30, 8), (41, 6)):  # outlier channels
+        x[:, channel] *= factor
+    absmax = x.abs().amax(0)
+    smooth, copies = head_layout(absmax, head.weight.data)
+    assert not torch.equal(smooth, torch.ones(hidden))
+    smoothed = QuantLMHead(head, KernelChoice("", 1), "int8", copies, smooth)
+    columns = torch.repeat_interleave(torch.arange(hidden), copies)
+    q, s = quantize_int8(head.weight.data * smooth, bound=BOUND)
+    expected = w8a8_matmul_reference((x / smooth)[:, columns] / copies[columns], q[:, columns], s)
+    torch.testing.assert_close(smoothed(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    split_only = QuantLMHead(head, KernelChoice("", 1), "int8", column_copies(absmax))
+    exact = x @ head.weight.data.T
+    assert (smoothed(x) - exact).norm() < (split_only(x) - exact).norm()
+    assert smoothed.in_features < split_only.in_features
+
+
 def _pack_head(head: QuantLMHead, gemm: str) -> None:
     """Put the int8 head on `gemm`: "int_mm" (its plain int8 weight), "onednn" or "native" (packed)."""
     if gemm == "native" and cpu_int8_gemm.unavailable_reason():
@@ -310,6 +336,6 @@ def test_calibration_gives_the_same_layouts_every_load_and_splits_the_measured_h
     assert torch.equal(a.w8a8_weight, b.w8a8_weight) and torch.equal(a.w8a8_smooth, b.w8a8_smooth)
     assert torch.equal(first.lm_head.columns, second.lm_head.columns)
     _, _, final = _measured_independently(tiny_model_dir, quant="int4")
-    copies = column_copies(final)
+    _, copies = head_layout(final, first.lm_head.weight.data)
     assert torch.equal(first.lm_head.columns, torch.repeat_interleave(torch.arange(copies.numel()), copies))
     assert first.lm_head.columns.numel() > first.config.hidden_size  # the tiny model has outliers to split
