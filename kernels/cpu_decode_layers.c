@@ -231,10 +231,12 @@ static inline int gemm(const struct step *s, const struct linear *l, float *out)
     return s->gemm(s->u, l->k, s->rows, l->k, l->panels, l->correction, l->scale, l->n, out);
 }
 
-/* x [rows, hidden] (the residual stream) through `count` layers in place. Adds the seconds spent in the
- * attention's decode to *attention_seconds. Returns 0, or -1 where a GEMM could not allocate its padded rows
- * (x then holds a partial result). */
-int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x, double *attention_seconds)
+/* x [rows, hidden] (the residual stream) through `count` layers in place, each pass split between the
+ * threads (GEMMs by panels, the rest by rows). Adds the seconds spent in the attention's decode to
+ * *attention_seconds. Returns 0, or -1 where a GEMM could not allocate its padded rows (x then holds a
+ * partial result). */
+static int layer_passes(const struct layer *layers, int64_t count, const struct step *s, float *x,
+                        double *attention_seconds)
 {
     for (int64_t i = 0; i < count; i++) {
         const struct layer *L = &layers[i];
@@ -266,6 +268,84 @@ int decode_layers(const struct layer *layers, int64_t count, const struct step *
         add_scaled(x, s->proj, s->hidden, s);
     }
     return 0;
+}
+
+/* Rows a thread must have for the layers to split a step by rows: each thread then reads every weight,
+ * which small steps (bound by those reads) cannot afford. */
+#define SPLIT_ROWS_MIN 8
+/* A row's GEMM work, in attended keys (its weights' multiply-adds over a key's in attention): what weighs
+ * rows against each other when the step is split, so that long contexts do not leave a thread waiting. */
+#define ROW_KEYS 1024
+#define TILE_ROWS 8 /* the GEMM's row tile: split points at its multiples leave no thread a partial tile */
+
+/* The first row of thread `id` of `threads`: rows weighed by ROW_KEYS plus their keys, split at multiples of
+ * TILE_ROWS. */
+static int64_t split_row(const struct step *s, int id, int threads)
+{
+    if (id == 0)
+        return 0;
+    if (id == threads)
+        return s->rows;
+    int64_t total = 0;
+    for (int64_t r = 0; r < s->rows; r++)
+        total += ROW_KEYS + s->lens[r] - s->first[r];
+    const int64_t target = total * id / threads;
+    int64_t r = 0, sum = 0;
+    for (; r < s->rows && sum + (ROW_KEYS + s->lens[r] - s->first[r]) / 2 < target; r++)
+        sum += ROW_KEYS + s->lens[r] - s->first[r];
+    r = (r + TILE_ROWS / 2) / TILE_ROWS * TILE_ROWS;
+    return r < s->rows ? r : s->rows;
+}
+
+/* Rows lo .. hi - 1 of s as a step of their own: the per-row inputs and each scratch buffer's slab of
+ * those rows (scratch buffers hold `widest` values per row at most). */
+static struct step rows_of(const struct step *s, int64_t lo, int64_t hi)
+{
+    struct step t = *s;
+    const int64_t half = s->head_dim / 2, nq = s->heads * s->head_dim, n_qkv = nq + 2 * s->kv_heads * s->head_dim;
+    int64_t widest = s->hidden > nq ? s->hidden : nq;
+    widest = widest > s->intermediate ? widest : s->intermediate;
+    t.rows = hi - lo;
+    t.cos += lo * half, t.sin += lo * half;
+    t.slots += lo, t.tables += lo * s->table_stride, t.lens += lo, t.first += lo;
+    t.u += lo * widest, t.sx += lo, t.tmp += lo * widest, t.qkv += lo * n_qkv, t.q += lo * nq, t.attn += lo * nq;
+    t.gate_up += lo * 2 * s->intermediate, t.proj += lo * s->hidden;
+    return t;
+}
+
+/* decode_layers' passes with the step's rows split between the threads, each thread taking its rows through
+ * every layer on its own: every pass of a decode layer is row by row (a row's attention reads only its own
+ * new key and value and blocks written in earlier steps), so the threads never wait for each other, where
+ * split pass by pass they met at ~10 barriers a layer. */
+static int row_split(const struct layer *layers, int64_t count, const struct step *s, float *x, double *attention_seconds)
+{
+    int failed = 0;
+    double attention = 0.0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int id = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t lo = split_row(s, id, threads), hi = split_row(s, id + 1, threads);
+        const struct step mine = rows_of(s, lo, hi);
+        double seconds = 0.0;
+        omp_set_num_threads(1); /* the passes' own parallel regions: this thread alone */
+        if (hi > lo)
+            failed |= layer_passes(layers, count, &mine, x + lo * s->hidden, &seconds) != 0;
+        if (id == 0)
+            attention = seconds;
+    }
+    *attention_seconds += attention;
+    return failed ? -1 : 0;
+}
+
+/* x [rows, hidden] (the residual stream) through `count` layers in place: large steps split by rows
+ * (row_split), small ones pass by pass. Adds the seconds spent in the attention's decode (the first thread's,
+ * split by rows) to *attention_seconds. Returns 0, or -1 where a GEMM could not allocate its padded rows (x
+ * then holds a partial result). */
+int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x, double *attention_seconds)
+{
+    if (s->rows >= SPLIT_ROWS_MIN * omp_get_max_threads() && omp_get_max_threads() > 1)
+        return row_split(layers, count, s, x, attention_seconds);
+    return layer_passes(layers, count, s, x, attention_seconds);
 }
 
 int decode_layers_available(void) { return 1; }

@@ -107,6 +107,36 @@ def test_the_mlp_activation_from_the_gemms_tiles_gives_the_stored_products_bits(
     assert len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_steps_split_by_rows_between_threads_give_the_bits_of_one_thread(tiny_model_dir, native_gemm, monkeypatch):
+    """With two threads, a step of enough rows takes each thread's rows through every layer on its own (no
+    pass waits for the other thread's rows); every pass is row by row, so the hidden states are the bits one
+    thread computes pass by pass, and the torch layers' values. Rows of different lengths: the split weighs
+    their keys."""
+    prompts = [[1 + (5 * i + j) % 900 for j in range(2 + i % 13)] for i in range(40)]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    runs = []
+    threads_before = torch.get_num_threads()
+    for threads in (2, 1):
+        loaded = load_model(tiny_model_dir, quant="w8a8", kv_dtype=torch.int8)
+        assert loaded.model.native_layers is not None, native_decode_reason(loaded.model)
+        engine = Engine(loaded, EngineConfig(kv_cache_memory="16MiB", max_batched_tokens=64))
+        with monkeypatch.context() as patch:
+            pairs = _paired_steps(patch)
+            torch.set_num_threads(threads)
+            try:
+                tokens = {r.id: r.token_ids for r in engine.generate(Request(i, p, sp) for i, p in enumerate(prompts))}
+            finally:
+                torch.set_num_threads(threads_before)
+        runs.append((tokens, pairs))
+        _script_native(monkeypatch)  # for the second load
+    (split_tokens, split), (one_tokens, one) = runs
+    assert split_tokens == one_tokens and len(split) == len(one)
+    assert max(rows for rows, _, _ in split) >= 32  # steps of prompt chunks and decodes, split by their keys
+    for (rows, expected, got), (_, _, alone) in zip(split, one):
+        assert got is not None and torch.equal(got, alone), rows
+        _assert_same_arithmetic(got, expected)
+
+
 def test_a_sliding_window_runs_natively_and_biases_keep_the_torch_layers(tmp_path, native_gemm, monkeypatch):
     qwen2 = build_tiny_checkpoint(tmp_path / "qwen2", seed=2, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                   use_sliding_window=False)
