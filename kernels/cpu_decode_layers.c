@@ -277,24 +277,52 @@ static int layer_passes(const struct layer *layers, int64_t count, const struct 
  * rows against each other when the step is split, so that long contexts do not leave a thread waiting. */
 #define ROW_KEYS 1024
 #define TILE_ROWS 8 /* the GEMM's row tile: split points at its multiples leave no thread a partial tile */
+#define MAX_SPLIT 256 /* threads a step is split between at most */
 
-/* The first row of thread `id` of `threads`: rows weighed by ROW_KEYS plus their keys, split at multiples of
- * TILE_ROWS. */
-static int64_t split_row(const struct step *s, int id, int threads)
+/* Whether the step may be split between rows r - 1 and r: not inside one sequence's rows of a prompt
+ * chunk (or of its guesses), where a row reads the keys the rows before it write in the same layer, which
+ * the other thread might not have written yet. Such rows have consecutive lengths; rows of other sequences
+ * that happen to have them are only not split (never wrong). */
+static int may_split_at(const struct step *s, int64_t r)
 {
-    if (id == 0)
-        return 0;
-    if (id == threads)
-        return s->rows;
+    return r <= 0 || r >= s->rows || s->lens[r] != s->lens[r - 1] + 1;
+}
+
+/* The split nearest row r that may_split_at allows: a multiple of TILE_ROWS up to a tile from the nearest
+ * one, else any row (0 and rows always are). */
+static int64_t allowed_split(const struct step *s, int64_t r)
+{
+    const int64_t tile = (r + TILE_ROWS / 2) / TILE_ROWS * TILE_ROWS;
+    for (int64_t d = 0; d <= TILE_ROWS; d += TILE_ROWS) {
+        if (tile - d >= 0 && tile - d <= s->rows && may_split_at(s, tile - d))
+            return tile - d;
+        if (tile + d <= s->rows && may_split_at(s, tile + d))
+            return tile + d;
+    }
+    for (int64_t d = 0;; d++) {
+        if (r - d >= 0 && may_split_at(s, r - d))
+            return r - d;
+        if (r + d <= s->rows && may_split_at(s, r + d))
+            return r + d;
+    }
+}
+
+/* bounds[0 .. threads]: thread i's rows are bounds[i] .. bounds[i + 1] - 1, rows weighed by ROW_KEYS plus
+ * their keys, each bound the allowed split nearest the balanced one. */
+void split_rows(const struct step *s, int threads, int64_t *bounds)
+{
     int64_t total = 0;
     for (int64_t r = 0; r < s->rows; r++)
         total += ROW_KEYS + s->lens[r] - s->first[r];
-    const int64_t target = total * id / threads;
+    bounds[0] = 0;
     int64_t r = 0, sum = 0;
-    for (; r < s->rows && sum + (ROW_KEYS + s->lens[r] - s->first[r]) / 2 < target; r++)
-        sum += ROW_KEYS + s->lens[r] - s->first[r];
-    r = (r + TILE_ROWS / 2) / TILE_ROWS * TILE_ROWS;
-    return r < s->rows ? r : s->rows;
+    for (int id = 1; id < threads; id++) {
+        for (; r < s->rows && sum + (ROW_KEYS + s->lens[r] - s->first[r]) / 2 < total * id / threads; r++)
+            sum += ROW_KEYS + s->lens[r] - s->first[r];
+        const int64_t split = allowed_split(s, r);
+        bounds[id] = split > bounds[id - 1] ? split : bounds[id - 1];
+    }
+    bounds[threads] = s->rows;
 }
 
 /* Rows lo .. hi - 1 of s as a step of their own: the per-row inputs and each scratch buffer's slab of
@@ -321,10 +349,13 @@ static int row_split(const struct layer *layers, int64_t count, const struct ste
 {
     int failed = 0;
     double attention = 0.0;
-#pragma omp parallel reduction(| : failed)
+    int64_t bounds[MAX_SPLIT + 1];
+    const int threads = omp_get_max_threads() < MAX_SPLIT ? omp_get_max_threads() : MAX_SPLIT;
+    split_rows(s, threads, bounds);
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        const int id = omp_get_thread_num(), threads = omp_get_num_threads();
-        const int64_t lo = split_row(s, id, threads), hi = split_row(s, id + 1, threads);
+        const int id = omp_get_thread_num();
+        const int64_t lo = bounds[id], hi = bounds[id + 1];
         const struct step mine = rows_of(s, lo, hi);
         double seconds = 0.0;
         omp_set_num_threads(1); /* the passes' own parallel regions: this thread alone */

@@ -67,6 +67,18 @@ def decode_layers(layers: ctypes.Array, step: Step, x_address: int) -> float:
     return seconds.value
 
 
+def split_rows(step: Step, threads: int) -> list[int]:
+    """Where a step of `step.rows` rows (lengths at step.lens, first keys at step.first) is split between
+    `threads` threads, as `decode_layers` splits one large enough: thread i takes rows bounds[i] to
+    bounds[i + 1] - 1, never splitting one sequence's rows of a prompt chunk."""
+    library = _library_or_reason()
+    if isinstance(library, str):
+        raise RuntimeError(f"no native decode layers: {library}")
+    bounds = (ctypes.c_int64 * (threads + 1))()
+    library.split_rows(ctypes.byref(step), threads, bounds)
+    return list(bounds)
+
+
 @cache
 def _library_or_reason() -> ctypes.CDLL | str:
     """Built and loaded once per process; a failure is remembered too."""
@@ -76,4 +88,6 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.decode_layers.argtypes = [ctypes.POINTER(Layer), _size, ctypes.POINTER(Step), _pointer,
                                       ctypes.POINTER(ctypes.c_double)]
     library.decode_layers.restype = ctypes.c_int
+    library.split_rows.argtypes = [ctypes.POINTER(Step), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    library.split_rows.restype = None
     return library

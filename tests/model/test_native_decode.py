@@ -112,7 +112,7 @@ def test_steps_split_by_rows_between_threads_give_the_bits_of_one_thread(tiny_mo
     pass waits for the other thread's rows); every pass is row by row, so the hidden states are the bits one
     thread computes pass by pass, and the torch layers' values. Rows of different lengths: the split weighs
     their keys."""
-    prompts = [[1 + (5 * i + j) % 900 for j in range(2 + i % 13)] for i in range(40)]
+    prompts = [[1 + (5 * i + j) % 900 for j in range(2 + i % 13 + 30 * (i % 9 == 4))] for i in range(40)]
     sp = SamplingParams(max_tokens=5, ignore_eos=True)
     runs = []
     threads_before = torch.get_num_threads()
@@ -135,6 +135,39 @@ def test_steps_split_by_rows_between_threads_give_the_bits_of_one_thread(tiny_mo
     for (rows, expected, got), (_, _, alone) in zip(split, one):
         assert got is not None and torch.equal(got, alone), rows
         _assert_same_arithmetic(got, expected)
+
+
+def _split(lens: list[int], first: list[int] | None = None, threads: int = 2) -> list[int]:
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    first_t = torch.zeros_like(lens_t) if first is None else torch.tensor(first, dtype=torch.int64)
+    step = cpu_decode_layers.Step(rows=len(lens), lens=lens_t.data_ptr(), first=first_t.data_ptr())
+    return cpu_decode_layers.split_rows(step, threads)
+
+
+def test_a_step_is_split_between_threads_by_its_rows_work_never_inside_a_prompt_chunk(native_gemm):
+    """Rows of one sequence's prompt chunk (consecutive lengths) read the keys the rows before them write in
+    the same layer, so a split never falls between two of them; otherwise rows are weighed by their keys and
+    split at the GEMM's 8-row tiles."""
+    decodes = [40 + 3 * (i % 2) for i in range(256)]  # no two consecutive lengths
+    assert _split(decodes) == [0, 128, 256]
+    assert _split(decodes, threads=4) == [0, 64, 128, 192, 256]
+    long_first = [2000 if i < 64 else 40 for i in range(256)]  # a quarter of the rows with many keys
+    bounds = _split(long_first)
+    assert bounds[1] % 8 == 0 and 64 < bounds[1] < 128
+    chunk = [50 + 3 * (i % 2) for i in range(100)] + list(range(10, 90)) + [50 + 3 * (i % 2) for i in range(76)]
+    bounds = _split(chunk)  # the chunk is rows 100-179: across the middle
+    assert bounds[1] in (100, 180)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(50):  # random steps of decodes and chunks: every bound outside a chunk, bounds in order
+        lens = []
+        while len(lens) < 300:
+            n = 1 if torch.rand(1, generator=g).item() < 0.7 else int(torch.randint(2, 60, (1,), generator=g))
+            start = int(torch.randint(1, 500, (1,), generator=g))
+            lens.extend(range(start, start + n))
+        for threads in (2, 3):
+            bounds = _split(lens, threads=threads)
+            assert bounds[0] == 0 and bounds[-1] == len(lens) and bounds == sorted(bounds)
+            assert all(b in (0, len(lens)) or lens[b] != lens[b - 1] + 1 for b in bounds)
 
 
 def test_a_sliding_window_runs_natively_and_biases_keep_the_torch_layers(tmp_path, native_gemm, monkeypatch):
