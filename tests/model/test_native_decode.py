@@ -4,14 +4,16 @@ the same engine steps, and where they must stand aside."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from kernels import cpu_decode_layers, cpu_int8_gemm
+from kernels import cpu_decode_layers, cpu_int8_gemm, dispatch
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
+from pipeline.model import llama as llama_module
 from pipeline.model.int8_gemm import NATIVE, PLAIN
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import load_model
@@ -36,31 +38,87 @@ def _script_native(monkeypatch) -> None:
     script_gemm_choice(monkeypatch, {"layers": NATIVE, "lm_head": PLAIN}, native=True)
 
 
-def _paired_steps(monkeypatch) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """Each forward pass runs the torch layers first, then the native ones where they take the step, on the
-    same inputs; returns (rows, torch's hidden states, the native ones or None) per pass. Both write the
-    step's keys and values to the same slots, the native layers last, so the next step reads theirs."""
+# How far from a rounding boundary (x / s = n + 1/2) an activation must lie, in float32 units in the last
+# place of x / s, for both paths to round it alike: their inputs differ in the last bits (another exp, sums in
+# another order), and so does the row's scale.
+BOUNDARY_ULPS = 8
+# A row whose activation sits on a boundary may round it one step apart in the two paths: one int8 step of one
+# activation moves the row's later layers by a fraction of a percent of the largest value (0.4% seen).
+ONE_STEP_BOUND = 0.02
+
+
+@dataclass
+class Pair:
+    """One forward pass run by both paths: the torch layers' hidden states, the native ones (None where the
+    native layers stood aside), and which rows the two may round one step apart (`_one_step_rows`)."""
+
+    rows: int
+    expected: torch.Tensor
+    got: torch.Tensor | None
+    loose: torch.Tensor  # [T] bool
+
+
+def _paired_steps(monkeypatch) -> list[Pair]:
+    """Each forward pass runs the torch layers first (eager, recording the activations they quantize), then
+    the native ones where they take the step, on the same inputs. Both write the step's keys and values to the
+    same slots, the native layers last, so the next step reads theirs."""
     pairs = []
     forward, run = LlamaModel.forward, cpu_decode_layers.decode_layers
-    ran = []
+    ran, quantized = [], []
     monkeypatch.setattr(cpu_decode_layers, "decode_layers", lambda *a: ran.append(1) or run(*a))
+    quantize = dispatch.quantize_rows
+    monkeypatch.setattr(dispatch, "quantize_rows", lambda x, **kw: quantized.append(x.float()) or quantize(x, **kw))
 
     def both(model, ids, positions, attn):
         native, model.native_layers = model.native_layers, None
+        compiled, model.run_layers = model.run_layers, llama_module._run_layers  # eager: quantizers recorded
+        quantized.clear()
         expected = forward(model, ids, positions, attn)
-        model.native_layers = native
+        model.native_layers, model.run_layers = native, compiled
+        loose = _one_step_rows(quantized, positions)
         ran.clear()
         got = forward(model, ids, positions, attn)
-        pairs.append((ids.shape[0], expected, got if ran else None))
+        pairs.append(Pair(ids.shape[0], expected, got if ran else None, loose))
         return got
 
     monkeypatch.setattr(LlamaModel, "forward", both)
     return pairs
 
 
-def _assert_same_arithmetic(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """The same W8A8 layers: only sums rounded in another order may differ (last float32 bits)."""
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+def _one_step_rows(quantized: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """Rows that may round an activation one int8 step apart in the two paths: those with an activation within
+    BOUNDARY_ULPS of a rounding boundary (`kernels.w8a8_reference.quantize_rows`) in any layer, and the rows
+    after them in the same prompt chunk (consecutive positions), which attend to their keys in the next layer."""
+    near = torch.zeros(positions.shape[0], dtype=torch.bool)
+    for x in quantized:
+        if x.shape[0] != near.shape[0]:  # the head's rows, after the layers
+            continue
+        steps = x / x.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny).div(127)
+        margin = BOUNDARY_ULPS * torch.finfo(torch.float32).eps * steps.abs()
+        near |= ((steps - steps.floor() - 0.5).abs() < margin).any(-1)
+    for r in range(1, near.shape[0]):
+        near[r] |= bool(near[r - 1]) and int(positions[r]) == int(positions[r - 1]) + 1
+    return near
+
+
+def _assert_same_arithmetic(pair: Pair, got: torch.Tensor | None = None) -> None:
+    """The same W8A8 layers: only sums rounded in another order may differ (last float32 bits), except in rows
+    where that rounding moved an activation across a rounding boundary (one int8 step, ONE_STEP_BOUND)."""
+    got = pair.got if got is None else got
+    expected, tight = pair.expected, ~pair.loose
+    largest = expected.abs().max().item()
+    torch.testing.assert_close(got[tight], expected[tight], rtol=1e-4, atol=1e-4 * largest)
+    if pair.loose.any():
+        assert (got[pair.loose] - expected[pair.loose]).abs().max().item() <= ONE_STEP_BOUND * largest
+
+
+def _assert_steps_same_arithmetic(pairs: list[Pair]) -> None:
+    """`_assert_same_arithmetic` on every pass the native layers ran, most rows held to the tight bound."""
+    ran = [pair for pair in pairs if pair.got is not None]
+    for pair in ran:
+        _assert_same_arithmetic(pair)
+    loose = sum(int(pair.loose.sum()) for pair in ran)
+    assert loose <= sum(pair.rows for pair in ran) // 2, "most rows lie clear of every rounding boundary"
 
 
 def _generate(loaded, max_tokens: int = 6, **engine) -> dict[int, list[int]]:
@@ -76,10 +134,9 @@ def test_native_layers_give_the_torch_layers_hidden_states_on_every_step(tiny_mo
     assert loaded.model.native_layers is not None, native_decode_reason(loaded.model)
     pairs = _paired_steps(monkeypatch)
     _generate(loaded, max_batched_tokens=16)  # prompts in chunks, then decodes: every step mixes both
-    assert len(pairs) >= 6 and all(got is not None for _, _, got in pairs)
+    assert len(pairs) >= 6 and all(pair.got is not None for pair in pairs)
     assert loaded.model.kernel_choice.native_layer_steps == len(pairs)
-    for _, expected, got in pairs:
-        _assert_same_arithmetic(got, expected)
+    _assert_steps_same_arithmetic(pairs)
 
 
 def test_the_mlp_activation_from_the_gemms_tiles_gives_the_stored_products_bits(tmp_path, native_gemm,
@@ -98,11 +155,10 @@ def test_the_mlp_activation_from_the_gemms_tiles_gives_the_stored_products_bits(
         with monkeypatch.context() as patch:
             pairs = _paired_steps(patch)
             _generate(loaded, max_batched_tokens=16)
-        assert len(pairs) >= 6 and all(got is not None for _, _, got in pairs)
-        runs.append([got for _, _, got in pairs])
+        assert len(pairs) >= 6 and all(pair.got is not None for pair in pairs)
+        runs.append([pair.got for pair in pairs])
         if fused:
-            for _, expected, got in pairs:
-                _assert_same_arithmetic(got, expected)
+            _assert_steps_same_arithmetic(pairs)
         _script_native(monkeypatch)  # for the second load
     assert len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -131,10 +187,10 @@ def test_steps_split_by_rows_between_threads_give_the_bits_of_one_thread(tiny_mo
         _script_native(monkeypatch)  # for the second load
     (split_tokens, split), (one_tokens, one) = runs
     assert split_tokens == one_tokens and len(split) == len(one)
-    assert max(rows for rows, _, _ in split) >= 32  # steps of prompt chunks and decodes, split by their keys
-    for (rows, expected, got), (_, _, alone) in zip(split, one):
-        assert got is not None and torch.equal(got, alone), rows
-        _assert_same_arithmetic(got, expected)
+    assert max(pair.rows for pair in split) >= 32  # steps of prompt chunks and decodes, split by their keys
+    for pair, alone in zip(split, one):
+        assert pair.got is not None and torch.equal(pair.got, alone.got), pair.rows
+    _assert_steps_same_arithmetic(split)
 
 
 def _split(lens: list[int], first: list[int] | None = None, threads: int = 2) -> list[int]:
@@ -182,9 +238,8 @@ def test_a_sliding_window_runs_natively_and_biases_keep_the_torch_layers(tmp_pat
     assert windowed.model.native_layers is not None, native_decode_reason(windowed.model)
     pairs = _paired_steps(monkeypatch)
     _generate(windowed, max_tokens=12, max_batched_tokens=16)  # prompts of 3-23 tokens, then 12 more: past 8
-    assert pairs and all(got is not None for _, _, got in pairs)
-    for _, expected, got in pairs:
-        _assert_same_arithmetic(got, expected)
+    assert pairs and all(pair.got is not None for pair in pairs)
+    _assert_steps_same_arithmetic(pairs)
 
 
 def test_native_engine_tokens_match_the_eager_reference_but_for_near_ties(tiny_model_dir, native_gemm):
@@ -198,11 +253,10 @@ def test_steps_below_the_w8a8_rows_run_the_weight_only_layers(tiny_model_dir, na
     assert loaded.model.native_layers is not None, native_decode_reason(loaded.model)
     pairs = _paired_steps(monkeypatch)
     _generate(loaded, max_batch_size=3)  # decode steps of 3 rows: weight-only; prefill chunks: W8A8
-    assert {rows < 4 for rows, _, _ in pairs} == {True, False}
-    for rows, expected, got in pairs:
-        assert (got is None) == (rows < 4), rows
-        if got is not None:
-            _assert_same_arithmetic(got, expected)
+    assert {pair.rows < 4 for pair in pairs} == {True, False}
+    for pair in pairs:
+        assert (pair.got is None) == (pair.rows < 4), pair.rows
+    _assert_steps_same_arithmetic(pairs)
 
 
 def test_without_the_native_gemm_or_w8a8_the_model_keeps_its_torch_layers(tiny_model_dir, monkeypatch):
