@@ -53,17 +53,19 @@ class Constraints:
         self._bits = torch.arange(32, dtype=torch.int32)
 
     def matcher(self, sp: SamplingParams) -> llguidance.LLMatcher:
-        """A fresh matcher for the request's constraint; ValueError naming the key when it does not compile."""
+        """A fresh matcher for the request's constraint; ValueError naming the key when it does not compile (on
+        one line: llguidance draws the error under the grammar, and it becomes a job's error line or a row's
+        `error`)."""
         key = constraint_key(sp)
         try:
             grammar = grammar_text(sp)
         except ValueError as e:
-            raise ValueError(f"{key}: {e}") from None
+            raise ValueError(f"{key}: {' '.join(str(e).split())}") from None
         compiled = self._compiled.get(grammar)
         if compiled is None:
             compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             if compiled.is_error():
-                raise ValueError(f"{key} cannot be used: {compiled.get_error()}")
+                raise ValueError(f"{key} cannot be used: {' '.join(compiled.get_error().split())}")
             self._compiled[grammar] = compiled
             if len(self._compiled) > _CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)

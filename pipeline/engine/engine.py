@@ -8,7 +8,7 @@ parameters, empty or too long prompts, unknown token ids) come back as `finish_r
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -144,8 +144,9 @@ class Engine:
         return choice
 
     # -- public ---------------------------------------------------------------------------------------
-    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        """Yield one Result per sample of each request, in completion order."""
+    def generate(self, requests: Iterable[Request], on_step: Callable[[], None] | None = None) -> Iterator[Result]:
+        """Yield one Result per sample of each request, in completion order. `on_step` is called after each
+        step, once its results were taken: progress that must move before the first row finishes."""
         source = iter(requests)
         exhausted = False
         window = self.waiting_window
@@ -162,6 +163,8 @@ class Engine:
                         return
                     continue
                 yield from self.step()
+                if on_step is not None:
+                    on_step()
         finally:  # the caller stopped early (or a step failed): drop unfinished work, free its blocks
             self.abort_all()
 
@@ -322,7 +325,7 @@ class Engine:
             elif not isinstance(sampling, SamplingParams):
                 raise ValueError(f"sampling must be SamplingParams or a mapping, got {type(sampling).__name__}")
             problem = self._prompt_problem(getattr(request, "prompt_token_ids", None))
-            problem = problem or self._token_id_problem(sampling)
+            problem = problem or sampling.token_id_problem(self.model_config.vocab_size)
             matcher = None
             if sampling.constrained and not problem:
                 try:
@@ -336,7 +339,7 @@ class Engine:
         if problem:
             self.stats.errors += 1
             n = sampling.n if sampling is not None else 1
-            return [Result(rid, i, [], "", 0, 0, 0, "error", error=f"request {rid!r}: {problem}") for i in range(n)]
+            return [Result(rid, i, [], "", 0, 0, 0, "error", error=problem) for i in range(n)]
         prompt = list(request.prompt_token_ids)
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         self.stats.requests += 1
@@ -368,14 +371,6 @@ class Engine:
                                  "(Hugging Face `tokenizers`) tokenizer")
             self._constraints = Constraints(hf.to_str(), self.model_config.vocab_size, tuple(self.eos_token_ids))
         return self._constraints.matcher(sampling)
-
-    def _token_id_problem(self, sampling: SamplingParams) -> str | None:
-        vocab = self.model_config.vocab_size
-        for key in ("logit_bias", "stop_token_ids"):
-            bad = [t for t in getattr(sampling, key) if t >= vocab]
-            if bad:
-                return f"{key} has token ids outside 0..{vocab - 1}: {bad[:5]}"
-        return None
 
     def _sequence(self, rid: Any, index: int, tokens: list[int], sampling: SamplingParams, seed: int) -> Sequence:
         generator = None if sampling.greedy else torch.Generator().manual_seed(sample_seed(seed, index))

@@ -123,6 +123,15 @@ class SamplingParams:
         """Greedy with nothing else wanted of the logits: each token is their argmax as the model gives them."""
         return self.greedy and not self.logprobs and not self.adjusts_logits and not self.constrained
 
+    def token_id_problem(self, vocab_size: int) -> str | None:
+        """Why `logit_bias` or `stop_token_ids` cannot apply to a model of `vocab_size` tokens (None: they can).
+        Kept apart from the checks above: those need no model, this needs its vocabulary."""
+        for key in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(self, key) if t >= vocab_size]
+            if bad:
+                return f"{key} has token ids outside 0..{vocab_size - 1}: {bad[:5]}"
+        return None
+
 
 @dataclass
 class Request:

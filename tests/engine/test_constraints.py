@@ -91,6 +91,7 @@ def test_unfinished_and_bad_constraints(loaded):
     assert [r.finish_reason for r in by_id["regex"]] == ["error", "error"]
     assert "regex" in by_id["regex"][0].error and "unclosed character class" in by_id["regex"][0].error
     assert by_id["schema"][0].finish_reason == "error" and "json_schema" in by_id["schema"][0].error
+    assert all("\n" not in r.error for r in by_id["regex"] + by_id["schema"])  # one line, for a job's error
 
 
 def test_mask_allows_exactly_the_tokens_that_keep_a_prefix_possible(loaded):

@@ -151,11 +151,24 @@ def test_invalid_requests_become_error_results(tiny):
     ]
     res, engine = run(tiny, requests, max_model_len=64)
     for rid in ("empty", "vocab", "long", "params"):
-        assert res[rid, 0].finish_reason == "error" and rid in res[rid, 0].error
+        assert res[rid, 0].finish_reason == "error" and res[rid, 0].error  # the result's id names the request
     assert "max_model_len=64" in res["long", 0].error
     assert "temperature" in res["params", 0].error
     assert res["ok", 0].finish_reason in ("length", "stop")
     assert engine.stats.errors == 4
+
+
+def test_on_step_runs_after_every_step_before_any_row_finishes(tiny):
+    """The job's progress hangs on this hook: a line must come while the first rows are still decoding."""
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB"))
+    seen: list[tuple[int, int]] = []  # (steps, results taken) at each call
+    results = []
+    requests = [Request(i, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(2)]
+    for result in engine.generate(requests, on_step=lambda: seen.append((engine.stats.steps, len(results)))):
+        results.append(result)
+    assert [steps for steps, _ in seen] == list(range(1, engine.stats.steps + 1))
+    assert seen[0][1] == 0 and len(results) == 2  # called before the first result
+    assert seen[-1][1] == 2  # a step's results are taken before its call
 
 
 @pytest.mark.parametrize("group_pass", [False, True])
