@@ -68,7 +68,7 @@ class Progress:
         pass
 
 
-FALLBACK_COLUMNS = 120
+FALLBACK_COLUMNS, FALLBACK_ROWS = 120, 20
 
 
 def _columns(stream: TextIO) -> int:
@@ -83,11 +83,12 @@ class BarProgress(Progress):
 
     def __init__(self, total_rows: int, stream: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(total_rows, clock)
-        # A terminal that reports no size (a pty under `script`, some CI runners) would get a 0-column bar,
-        # which tqdm draws as nothing: give it a fixed width instead.
+        # A terminal that reports no size (a pty under `script`, some CI runners) gives tqdm 0 columns and, on
+        # stdout or stderr, -1 rows, which hide even the first bar: give it a fixed size instead.
         sized = _columns(stream) > 0
-        self.bar = tqdm(total=total_rows, unit="row", file=stream, dynamic_ncols=sized,
-                        ncols=None if sized else FALLBACK_COLUMNS, mininterval=0.5, smoothing=0.1)
+        fixed = {} if sized else {"ncols": FALLBACK_COLUMNS, "nrows": FALLBACK_ROWS}
+        self.bar = tqdm(total=total_rows, unit="row", file=stream, dynamic_ncols=sized, mininterval=0.5,
+                        smoothing=0.1, **fixed)
 
     def update(self, rows: int, stats: EngineStats, lower_bound: int = 0) -> None:
         super().update(rows, stats, lower_bound)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 
 from pipeline.engine.stats import EngineStats
 from pipeline.perf.progress import BarProgress, LogProgress, Progress, make_progress, rates, summary
@@ -83,15 +84,17 @@ def test_summary_table():
     assert "  weight-read bw    4.25 GB/s" in lines and "  mean batch        47.3 over 300 steps" in lines
 
 
-def test_bar_is_visible_on_a_terminal_without_a_size():
-    """A fresh pty reports 0 columns (as under `script -qc ... > file`); the bar used to draw nothing."""
+def test_bar_is_visible_on_a_terminal_without_a_size(monkeypatch):
+    """A fresh pty reports 0 columns (as under `script -qc ... > file`); the bar used to draw nothing. It is
+    stdout, as in a job: tqdm asks the size of stdout and stderr only, and took -1 rows from it."""
     import os
     import pty
 
     master, slave = pty.openpty()
     assert os.get_terminal_size(slave).columns == 0
     with os.fdopen(slave, "w") as stream:
-        progress = make_progress("auto", 10, 1.0, stream)
+        monkeypatch.setattr(sys, "stdout", stream)
+        progress = make_progress("auto", 10, 1.0)
         assert isinstance(progress, BarProgress)
         progress.update(5, EngineStats())
         progress.close()
