@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kernels.h" /* paged_write and paged_decode as cpu_decode_layers.c calls them */
+
 #if defined(__AVX512F__)
 #define VEC 16
 typedef __m512 native_vec;
@@ -195,9 +197,10 @@ static inline void store_row(kv_t *dst, float *scale, const float *x)
  * the pool's dtype (int8 pools: with its scale into the scale pools, which other dtypes do not have). One
  * pass instead of a cast and an index_copy per pool. */
 void paged_write(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
-                 int64_t n, kv_t *k_pool, kv_t *v_pool, float *k_scale, float *v_scale, int64_t num_kv_heads,
+                 int64_t n, void *k_data, void *v_data, float *k_scale, float *v_scale, int64_t num_kv_heads,
                  int64_t num_blocks)
 {
+    kv_t *const k_pool = k_data, *const v_pool = v_data;
 #pragma omp parallel for collapse(2) if (n * num_kv_heads > 4096)
     for (int64_t i = 0; i < n; i++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
@@ -367,11 +370,12 @@ static inline void fetch_block(const kv_t *k, int64_t v_off, const kv_t *k_pool,
  * are scattered pieces that the hardware prefetcher does not follow, so while a tile computes, the next
  * tile's blocks are fetched (after a task's last tile, the next task's first): with the fetch one block
  * ahead, a block from DRAM came too late, and each task's first blocks were waited for whole. */
-void paged_decode(const float *q, const kv_t *k_pool, const kv_t *v_pool, const float *k_scale,
+void paged_decode(const float *q, const void *k_data, const void *v_data, const float *k_scale,
                   const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
                   const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
                   float scale)
 {
+    const kv_t *const k_pool = k_data, *const v_pool = v_data;
 #pragma omp parallel
     {
         int64_t lo_task, hi_task;

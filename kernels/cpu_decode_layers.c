@@ -17,54 +17,11 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <time.h>
 
-typedef int (*gemm_fn)(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
-                       const int32_t *correction, const float *scale, int64_t n, float *out);
-typedef int (*gemm_silu_fn)(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
-                            const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
-                            const float *smooth, float *out);
-typedef void (*write_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
-                         int64_t n, void *k_pool, void *v_pool, float *k_scale, float *v_scale,
-                         int64_t num_kv_heads, int64_t num_blocks);
-typedef void (*decode_fn)(const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
-                          const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
-                          const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
-                          float scale);
-
-/* A W8A8 linear: the GEMM's packed weight, correction and column scales, and the smoothing vector its
- * input is multiplied by (NULL: none). y [rows, n] = x [rows, k] W^T. */
-struct linear {
-    const int8_t *panels;
-    const int32_t *correction;
-    const float *scale;
-    const float *smooth;
-    int64_t n, k;
-};
-
-struct layer {
-    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
-    struct linear qkv, o, gate_up, down;
-    void *k_pool, *v_pool;   /* this layer's KV pools, in the attention build's dtype */
-    float *k_scale, *v_scale; /* int8 pools' scale pools, else NULL */
-};
-
-/* What every layer of the step shares: shapes, the rows' positions and block tables, the kernels, and
- * scratch buffers (sizes in cpu_decode_layers.py). */
-struct step {
-    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate;
-    float eps, attention_scale;
-    const float *cos, *sin; /* [rows, head_dim / 2] */
-    const int64_t *slots, *tables, *lens, *first;
-    int64_t table_stride, num_blocks;
-    gemm_fn gemm;
-    gemm_silu_fn gemm_silu; /* the GEMM's fused gated-MLP entry (int8_gemm_silu) */
-    write_fn write;
-    decode_fn decode;
-    uint8_t *u;
-    float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
-};
+#include "cpu_kernels.h" /* struct linear, layer and step, and the kernels' entry points */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
@@ -392,3 +349,34 @@ int decode_layers(const struct layer *layers, int64_t count, const struct step *
 int decode_layers_available(void) { return 0; }
 
 #endif
+
+/* The structs' layout as this compiler lays them out, for the test that holds the ctypes mirrors
+ * (kernels/cpu_decode_layers.py) to it: a mirror that disagrees would have this code read its fields at the
+ * wrong addresses. */
+#define SIZE(s) {#s, NULL, 0, sizeof(struct s)}
+#define FIELD(s, f) {#s, #f, offsetof(struct s, f), sizeof(((struct s *)0)->f)}
+static const struct {
+    const char *structure, *field;
+    size_t offset, size;
+} LAYOUT[] = {
+    SIZE(linear), FIELD(linear, panels), FIELD(linear, correction), FIELD(linear, scale), FIELD(linear, smooth),
+    FIELD(linear, n), FIELD(linear, k),
+    SIZE(layer), FIELD(layer, input_norm), FIELD(layer, post_norm), FIELD(layer, qkv), FIELD(layer, o),
+    FIELD(layer, gate_up), FIELD(layer, down), FIELD(layer, k_pool), FIELD(layer, v_pool), FIELD(layer, k_scale),
+    FIELD(layer, v_scale),
+    SIZE(step), FIELD(step, rows), FIELD(step, hidden), FIELD(step, heads), FIELD(step, kv_heads),
+    FIELD(step, head_dim), FIELD(step, intermediate), FIELD(step, eps), FIELD(step, attention_scale),
+    FIELD(step, cos), FIELD(step, sin), FIELD(step, slots), FIELD(step, tables), FIELD(step, lens),
+    FIELD(step, first), FIELD(step, table_stride), FIELD(step, num_blocks), FIELD(step, gemm),
+    FIELD(step, gemm_silu), FIELD(step, write), FIELD(step, decode), FIELD(step, u), FIELD(step, sx),
+    FIELD(step, tmp), FIELD(step, qkv), FIELD(step, q), FIELD(step, attn), FIELD(step, gate_up), FIELD(step, proj),
+};
+
+int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size)
+{
+    if (i < 0 || i >= (int64_t)(sizeof LAYOUT / sizeof LAYOUT[0]))
+        return 0;
+    *structure = LAYOUT[i].structure, *field = LAYOUT[i].field;
+    *offset = (int64_t)LAYOUT[i].offset, *size = (int64_t)LAYOUT[i].size;
+    return 1;
+}

@@ -1,6 +1,7 @@
 """Build and call `kernels/cpu_decode_layers.c`: W8A8 decoder layers of a decode step in one native call.
 
-The C structs are mirrored here as ctypes structures. A model fills one `Layer` per decoder layer once
+The C structs (`kernels/cpu_kernels.h`) are mirrored here as ctypes structures, held to the compiler's
+layout by tests/kernels/test_native_interface.py. A model fills one `Layer` per decoder layer once
 (`pipeline.model.native_decode`), and each step one `Step`: the rows' RoPE tables, slots and block tables,
 the kernels' entry points and scratch buffers.
 
@@ -37,7 +38,7 @@ class Layer(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    """What every layer of one step shares (`struct step` in the C source)."""
+    """What every layer of one step shares (`struct step` in kernels/cpu_kernels.h)."""
 
     _fields_ = [("rows", _size), ("hidden", _size), ("heads", _size), ("kv_heads", _size), ("head_dim", _size),
                 ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),

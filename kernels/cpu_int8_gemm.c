@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h" /* the entry points, as ctypes and cpu_decode_layers.c call them */
+
 #define MR 8
 #define NV 3 /* vectors of 16 channels per panel */
 #define NR (16 * NV)

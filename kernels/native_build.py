@@ -5,6 +5,10 @@ Why this way: the kernels take raw pointers, so no torch headers and no extensio
 a build takes about a second. `-march=native` compiles for the CPU the job runs on; the cache key holds the
 CPU's model and flags, so a cache directory shared by different machines keeps one library per CPU. The
 libraries use the OpenMP runtime torch has already loaded, so they share torch's threads and their count.
+
+`$PIPELINE_KERNEL_FLAGS` adds compiler flags after those (and to the cache key): `-mno-avx512f` builds the
+AVX2 paths on an AVX-512 CPU, as the tests do (tests/kernels/conftest.py), where the kernels that need
+AVX-512 then report themselves unavailable.
 """
 
 from __future__ import annotations
@@ -13,12 +17,19 @@ import ctypes
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+EXTRA_FLAGS = "PIPELINE_KERNEL_FLAGS"
+
+
+def build_flags() -> tuple[str, ...]:
+    """FLAGS, then those of $PIPELINE_KERNEL_FLAGS (later flags win: `-mno-avx512f` after `-march=native`)."""
+    return (*FLAGS, *shlex.split(os.environ.get(EXTRA_FLAGS, "")))
 
 
 def c_compiler() -> str | None:
@@ -61,7 +72,7 @@ def loaded_library(source: Path, switch: str, flag: str, feature: str, available
     except (OSError, subprocess.SubprocessError) as e:
         return f"building or loading {source.name} failed: {e}"
     if not getattr(library, available)():
-        return f"{compiler} built {source.name} without {feature}"
+        return f"{compiler} built {source.name} without {feature} (flags: {shlex.join(build_flags())})"
     return library
 
 
@@ -78,11 +89,12 @@ def built_library(compiler: str, source: Path, defines: tuple[str, ...] = ()) ->
     """The shared library of `source` built with `defines`: found in the cache, else compiled into it.
     Raises OSError (with the compiler's messages) or subprocess.SubprocessError where the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([source_text(source), compiler, version, *FLAGS, *defines,
+    options = (*build_flags(), *defines)
+    key = hashlib.sha256("\n".join([source_text(source), compiler, version, *options,
                                     cpu_identity()]).encode()).hexdigest()[:20]
     library = cache_dir() / f"{source.stem}-{key}.so"
     if not library.exists():
-        _build(compiler, source, defines, library)
+        _build(compiler, source, options, library)
     return library
 
 
@@ -94,13 +106,13 @@ def source_text(source: Path) -> str:
     return "\n".join([text, *((source.parent / name).read_text() for name in headers)])
 
 
-def _build(compiler: str, source: Path, defines: tuple[str, ...], library: Path) -> None:
+def _build(compiler: str, source: Path, options: tuple[str, ...], library: Path) -> None:
     """Compile to a temporary name, then rename: concurrent jobs sharing the cache never see half a file."""
     library.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, *defines, str(source), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *options, str(source), "-o", tmp, "-lm"],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")

@@ -1,5 +1,7 @@
 """The native CPU paged decode attention against the plain-torch reference, and how it is built, cached and
-refused. Skipped only where the kernel cannot build (no C compiler or no AVX2); CI machines have both."""
+refused. Skipped only where the kernel cannot build (no C compiler or no AVX2); CI machines have both. The
+tests of its arithmetic run on both builds (`build`, tests/kernels/conftest.py): for this CPU, and its AVX2
+paths with AVX-512 switched off."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def queries_as_scored(kernel: cpu_attention.PagedDecodeKernel, q: torch.Tensor, 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("dim,group,block", [(64, 3, 16), (32, 1, 16), (64, 4, 32), (128, 2, 16), (64, 3, 64), (64, 8, 16)])
-def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
+def test_matches_reference_over_scattered_blocks(build, dim, group, block, kv_dtype):
     """Narrower pools: the reference reads the vectors they stand for (bfloat16 widened, int8 times its
     scale) and the queries as the kernel scores them; all other arithmetic is float32."""
     kernel = kernel_or_skip(dim, group, block, kv_dtype)
@@ -70,7 +72,7 @@ def test_matches_reference_over_scattered_blocks(dim, group, block, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_reads_only_keys_from_first_to_len(kv_dtype):
+def test_reads_only_keys_from_first_to_len(build, kv_dtype):
     """Keys before `first` (a sliding window) and past `lens` (the rest of the last block) are NaN: any read
     of them would spread NaN."""
     dim, group, block = 64, 3, 16
@@ -93,7 +95,7 @@ def test_reads_only_keys_from_first_to_len(kv_dtype):
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_scores_only_keys_from_first_to_len():
+def test_int8_scores_only_keys_from_first_to_len(build):
     """int8 pools (integer scores score whole blocks, then mask): keys before `first` and past `lens` are
     large, so any that leaked into the softmax would take over the output."""
     dim, group, block = 64, 3, 16
@@ -118,15 +120,16 @@ def test_int8_scores_only_keys_from_first_to_len():
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_scores_are_integer_where_avx512_builds():
-    """The integer score path is compiled in wherever the CPU has AVX-512 BW (and only for int8 pools)."""
+def test_int8_scores_are_integer_where_avx512_builds(build):
+    """The integer score path is compiled in wherever the CPU has AVX-512 BW and the build uses it (and only
+    for int8 pools)."""
     flags = cpu_identity().split()
-    assert kernel_or_skip(64, 3, 16, torch.int8).integer_scores == ("avx512bw" in flags)
+    assert kernel_or_skip(64, 3, 16, torch.int8).integer_scores == ("avx512bw" in flags and build == "native")
     assert not kernel_or_skip(64, 3, 16, torch.float32).integer_scores
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_large_score_spread_stays_exact(kv_dtype):
+def test_large_score_spread_stays_exact(build, kv_dtype):
     """Scores far apart (the online softmax rescales often, exp underflows to 0) match the reference."""
     dim, group, block = 64, 3, 16
     kernel = kernel_or_skip(dim, group, block, kv_dtype)
@@ -145,7 +148,7 @@ def test_large_score_spread_stays_exact(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [5, 2000])  # one thread, and the threaded pass
-def test_write_matches_cast_and_index_copy(kv_dtype, tokens):
+def test_write_matches_cast_and_index_copy(build, kv_dtype, tokens):
     """Exactly what `Tensor.to` + `index_copy_` store, rounding ties, tiny and huge values, infinities and
     NaN included; slots not written stay as they were."""
     kernel = kernel_or_skip(64, 3, 16, kv_dtype)
@@ -167,7 +170,7 @@ def test_write_matches_cast_and_index_copy(kv_dtype, tokens):
 
 
 @pytest.mark.parametrize("tokens", [5, 2000])
-def test_int8_write_matches_quantize_kv(tokens):
+def test_int8_write_matches_quantize_kv(build, tokens):
     """int8 pools: each new vector stored as `quantize_kv` stores it (values and scales, exactly), a zero
     vector included; slots not written stay as they were."""
     kernel = kernel_or_skip(64, 3, 16, torch.int8)
@@ -191,7 +194,7 @@ def test_int8_write_matches_quantize_kv(tokens):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
-def test_write_reads_token_strided_views(kv_dtype):
+def test_write_reads_token_strided_views(build, kv_dtype):
     """Keys and values sliced out of a fused qkv output (tokens a whole qkv row apart) are stored as their
     contiguous copies are."""
     kernel = kernel_or_skip(64, 3, 16, kv_dtype)

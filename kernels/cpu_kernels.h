@@ -1,0 +1,89 @@
+/* The interface of the native CPU kernels, in one place: the entry points each library exports (to ctypes,
+ * and to cpu_decode_layers.c, which calls the GEMM's and the attention's through function pointers) and the
+ * structs kernels/cpu_decode_layers.py mirrors as ctypes structures.
+ *
+ * Why one header: every kernel source includes it, so the compiler checks each definition against the
+ * declaration here, and the function pointer types are the functions' own types (`gemm_fn int8_gemm;`
+ * declares int8_gemm as a gemm_fn). The ctypes mirrors are checked against struct_layout's table by
+ * tests/kernels/test_native_interface.py. kernels/native_build.py keys its cache on this text too, so a
+ * change here rebuilds every library.
+ */
+#ifndef CPU_KERNELS_H
+#define CPU_KERNELS_H
+
+#include <stdint.h>
+
+/* kernels/cpu_int8_gemm.c: the W8A8 GEMM on a weight packed into its panels. Without AVX-512 VNNI at build
+ * time, int8_gemm_available returns 0 and the others are stubs. */
+typedef int gemm_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                    const int32_t *correction, const float *scale, int64_t n, float *out);
+typedef int gemm_silu_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                         const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
+                         const float *smooth, float *out);
+gemm_fn int8_gemm;
+gemm_silu_fn int8_gemm_silu;
+int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                     const int32_t *correction, const float *scale, int64_t valid, const float *row_scale,
+                     int64_t *index);
+void int8_gemm_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed, int32_t *correction);
+int int8_gemm_available(void);
+
+/* kernels/cpu_attention.c: the paged attention's write and decode. The pools' element type is the build's
+ * (float32, bfloat16 or int8: -DKV_BF16, -DKV_I8), hence untyped pool pointers. */
+typedef void write_fn(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+                      int64_t n, void *k_pool, void *v_pool, float *k_scale, float *v_scale, int64_t num_kv_heads,
+                      int64_t num_blocks);
+typedef void decode_fn(const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
+                       const float *v_scale, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                       const int64_t *first, float *out, int64_t rows, int64_t num_kv_heads, int64_t num_blocks,
+                       float scale);
+write_fn paged_write;
+decode_fn paged_decode;
+int paged_integer_scores(void);
+
+/* kernels/cpu_decode_layers.c: a run of W8A8 decoder layers. */
+
+/* A W8A8 linear: the GEMM's packed weight, correction and column scales, and the smoothing vector its
+ * input is multiplied by (NULL: none). y [rows, n] = x [rows, k] W^T. */
+struct linear {
+    const int8_t *panels;
+    const int32_t *correction;
+    const float *scale;
+    const float *smooth;
+    int64_t n, k;
+};
+
+struct layer {
+    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
+    struct linear qkv, o, gate_up, down;
+    void *k_pool, *v_pool;   /* this layer's KV pools, in the attention build's dtype */
+    float *k_scale, *v_scale; /* int8 pools' scale pools, else NULL */
+};
+
+/* What every layer of the step shares: shapes, the rows' positions and block tables, the kernels, and
+ * scratch buffers (sizes in cpu_decode_layers.py). */
+struct step {
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, attention_scale;
+    const float *cos, *sin; /* [rows, head_dim / 2] */
+    const int64_t *slots, *tables, *lens, *first;
+    int64_t table_stride, num_blocks;
+    gemm_fn *gemm;
+    gemm_silu_fn *gemm_silu; /* the GEMM's fused gated-MLP entry (int8_gemm_silu) */
+    write_fn *write;
+    decode_fn *decode;
+    uint8_t *u;
+    float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
+};
+
+/* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails and split_rows
+ * is absent. */
+int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x,
+                  double *attention_seconds);
+void split_rows(const struct step *s, int threads, int64_t *bounds);
+int decode_layers_available(void);
+/* Entry i of the layout of the structs above, in every build: the struct's name, a field's name, offset and
+ * size, or for the struct's own size a NULL field. Returns 0 past the last entry. */
+int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size);
+
+#endif
