@@ -13,7 +13,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import pyarrow as pa
@@ -31,6 +30,7 @@ from pipeline.perf.progress import make_progress, prefill_efficiency, summary
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
+from pipeline.preflight import check_filesystems, check_model_values, check_room
 from pipeline.source.columns import column_specs, id_type
 from pipeline.source.files import ParquetSource
 from pipeline.source.prompts import PromptBuilder
@@ -57,19 +57,6 @@ def _model_path(cfg: JobConfig) -> tuple[str, str]:
     if not path.exists():
         raise JobError(f"model file not found: model.path={cfg.model.path!r}")
     return str(path), cfg.model.name or checkpoint_name(path)
-
-
-def _check_kv_budget(cfg: JobConfig, model_path: str) -> None:
-    """`engine.kv_cache_memory` must hold at least one block: checked from the model's shape (GGUF metadata or
-    config.json), so a typo such as `1KB` fails in a second instead of after the model has loaded."""
-    from pipeline.perf.plan_cli import read_model
-    from pipeline.perf.roofline import kv_bytes_per_token
-
-    shape, _ = read_model(model_path)
-    block = kv_bytes_per_token(shape, cfg.model_dtype, cfg.engine.tensor_parallel) * cfg.engine.block_size
-    if cfg.engine.kv_cache_bytes < block:
-        raise JobError(f"engine.kv_cache_memory={cfg.engine.kv_cache_memory!r} is less than one KV cache block of "
-                       f"this model ({block:,} bytes for engine.block_size={cfg.engine.block_size} tokens)")
 
 
 def _model_options(cfg: JobConfig, quant: QuantChoice | None = None, measure: bool = False) -> dict[str, Any]:
@@ -146,8 +133,6 @@ def _draft_model(cfg: JobConfig, model_path: str, loaded: Any) -> Any:
 
     from pipeline.model.loader import load_model
 
-    if not Path(path).exists():
-        raise JobError(f"draft model file not found: speculative.draft.path={path!r}")
     try:
         return load_model(path, getattr(torch, draft.dtype), quant=draft.quant,
                           quant_group_size=cfg.model.quant_group_size).model
@@ -252,6 +237,7 @@ def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
 
 def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dict[str, Any]:
     t_start = time.perf_counter()
+    check_filesystems(cfg)
     source = ParquetSource(cfg.input.path)
     types = source.check_columns(column_specs(cfg))
     ids = id_type(source, cfg.input.id_column, types)
@@ -261,7 +247,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                            cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
                            cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
     model_path, model_name = _model_path(cfg)
-    _check_kv_budget(cfg, model_path)
+    check_model_values(cfg, model_path, types)  # before the output folder is touched and the weights load
     if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
         from pipeline.parallel.runner import serve_as_torchrun_worker
 
@@ -321,9 +307,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                         _draft_model(cfg, model_path, loaded))
     except ValueError as e:
         raise JobError(str(e)) from None
-    if cfg.sampling.max_tokens >= engine.max_model_len and "max_tokens" not in types:
-        raise JobError(f"sampling.max_tokens={cfg.sampling.max_tokens} leaves no room for a prompt in "
-                       f"max_model_len={engine.max_model_len}: every row would be an error row")
+    check_room(cfg, types, engine.max_model_len)  # the KV cache may hold fewer positions than the model has
     batch_choice = engine.tune_batch_size(cfg.sampling.max_tokens, run_state.todo_rows * cfg.sampling.n)
     if batch_choice is not None:
         log.info("engine.max_batch_size=auto: %d (%s)", batch_choice.batch, batch_choice.reason)

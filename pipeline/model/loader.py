@@ -41,12 +41,13 @@ def default_model_path() -> Path:
 
 def local_model_path(path: str | None, cache_dir: str | None = None) -> Path:
     """Where to load `model.path` from: the default SmolLM2 file for None, the local cached copy of an fsspec
-    URL (`pipeline.model.remote`), else the path itself."""
+    URL (`pipeline.model.remote`), else the local path (`file:///m.gguf` too, as input.path and output.path
+    take it)."""
     if path is None:
         return default_model_path()
     if is_url(path):
         return cached_model(path, cache_dir)[0]
-    return Path(path)
+    return Path(path.split("://", 1)[-1])
 
 
 def checkpoint_name(path: str | Path) -> str:

@@ -100,8 +100,20 @@ def chat_template_source(value: str) -> tuple[str, str]:
     try:
         with fsspec.open(value, "r", encoding="utf-8") as f:
             return f.read(), value
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:  # ImportError: the URL's fsspec backend is not installed
         raise JobError(f"invalid config `input.chat_template`: cannot read template file {value!r}: {e}") from None
+
+
+def chat_tokenizer(tokenizer: ChatTokenizer, inp: InputConfig) -> ChatTokenizer:
+    """`tokenizer` rendering with the job's own template when `input.chat_template` is one (or its file), else
+    unchanged. JobError when the template cannot be read or does not compile: a job-level mistake, found
+    before the model loads (`pipeline.preflight`)."""
+    if not isinstance(inp.chat_template, str):
+        return tokenizer
+    try:
+        return tokenizer.with_chat_template(*chat_template_source(inp.chat_template))
+    except ValueError as e:
+        raise JobError(f"invalid config `input.chat_template`: {e}") from None
 
 
 class PromptBuilder:
@@ -109,12 +121,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: ChatTokenizer, inp: InputConfig, sampling: SamplingParams,
                  max_model_len: int, job_seed: int = 0) -> None:
-        if isinstance(inp.chat_template, str):  # the job's own template instead of the model's
-            try:
-                tokenizer = tokenizer.with_chat_template(*chat_template_source(inp.chat_template))
-            except ValueError as e:
-                raise JobError(f"invalid config `input.chat_template`: {e}") from None
-        self.tokenizer = tokenizer
+        self.tokenizer = chat_tokenizer(tokenizer, inp)
         self.template_kwargs = dict(inp.chat_template_kwargs or {})
         self.inp = inp
         self.sampling = sampling

@@ -6,6 +6,8 @@ stderr, no traceback).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +95,63 @@ def test_output_path_is_a_file(tmp_path, inputs):
     assert "is a file" in fails(tmp_path, f"input.path={inputs}")
 
 
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """The weights must never load: these mistakes are found from the model's shape and tokenizer alone."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("pipeline.parallel.runner.open_model", refuse)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["sampling.regex='[a-'"], "invalid config `sampling`: regex cannot be used: "),
+    (["sampling.json_schema='{\"type\": 3}'"], "invalid config `sampling`: json_schema"),
+    (["sampling.logit_bias={99999: 1}"], "invalid config `sampling`: logit_bias has token ids outside 0..49151: "
+                                         "[99999]"),
+    (["sampling.stop_token_ids=[49152]"], "invalid config `sampling`: stop_token_ids has token ids outside"),
+    (["sampling.n=8", "engine.max_batch_size=4"], "invalid config `sampling`: n=8 exceeds engine.max_batch_size=4"),
+    (["sampling.max_tokens=2048"], "sampling.max_tokens=2048 leaves no room for a prompt in max_model_len=2048: "
+                                   "every row would be an error row"),
+    (["engine.max_model_len=4096"], "engine.max_model_len=4096 exceeds the model's 2048 positions"),
+    (["input.chat_template='{{ oops'"], "invalid config `input.chat_template`: input.chat_template: chat template "
+                                        "does not compile: "),
+    (["speculative.method=draft", "speculative.draft.path=/no/draft.gguf"],
+     "draft model file not found: speculative.draft.path='/no/draft.gguf'"),
+])
+def test_config_values_the_model_judges_fail_before_it_loads(tmp_path, inputs, tiny_model_dir, no_model_load,
+                                                            overrides, words):
+    """Each used to make every row an error row (exit 0, `_SUCCESS`) or to fail after the weights loaded."""
+    message = fails(tmp_path, f"input.path={inputs}", f"model.path={tiny_model_dir}", *overrides)
+    assert message.startswith(words) and "\n" not in message
+    assert not (tmp_path / "out").exists()  # nothing created in the output folder
+
+
+def test_a_model_without_a_chat_template_needs_raw_prompts(tmp_path, inputs, tiny_model_dir, no_model_load):
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "tokenizer_config.json").unlink()
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    assert "this model has none" in fails(tmp_path, f"input.path={inputs}", f"model.path={model}")
+    assert "this model has none" in fails(tmp_path, f"input.path={inputs}", f"model.path={model}",
+                                          "input.chat_template=false", "input.messages_column=prompt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_url_whose_fsspec_backend_is_missing_names_the_package(tmp_path, inputs):
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    assert fails(tmp_path, f"input.path={inputs}", "model.path=gs://models/m.gguf") == (
+        "invalid config `model.path`: 'gs://models/m.gguf': Please install gcsfs to access Google Storage")
+    assert fails(tmp_path, "input.path=[data/a.parquet,gs://b/in/]").startswith(
+        "invalid config `input.path`: 'gs://b/in/': Please install gcsfs")
+    assert fails(tmp_path, f"input.path={inputs}", "output.path=simplecache::gs://b/out").startswith(
+        "invalid config `output.path`: 'simplecache::gs://b/out': Please install gcsfs")
+
+
 def cli(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120, env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
@@ -104,6 +163,8 @@ def cli(*args: str, cwd) -> subprocess.CompletedProcess:
                                      "temperature must be a finite number >= 0, got -2"),
     (["sampling.tempreature=0.5"], 1, "Key 'tempreature' not in 'SamplingSection'"),
     (["conf=missing.yaml"], 2, "error: job file not found: conf=missing.yaml"),
+    ([f"input.path={REPO}/data/sample", "sampling.regex='[a-'", "output.path=out"], 2,
+     "error: invalid config `sampling`: regex cannot be used: "),  # llguidance's error spans lines
 ])
 def test_cli_prints_one_clear_message(tmp_path, args, status, words):
     done = cli(*args, cwd=tmp_path)
@@ -111,6 +172,7 @@ def test_cli_prints_one_clear_message(tmp_path, args, status, words):
     assert words in done.stderr and "Traceback" not in done.stderr + done.stdout
     if status == 2:
         assert done.stderr.strip().count("\n") == 0  # one line
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
