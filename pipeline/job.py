@@ -148,7 +148,15 @@ class _Pending:
     unit: Unit
     position: int  # row position inside its unit
     remaining: int
+    where: str  # `row 3 of in.parquet (id 7)`, for an error the engine reports
     failed: bool = False
+
+
+def _error_row(base: dict[str, Any], index: int, error: str, prompt_tokens: int) -> dict[str, Any]:
+    """Sample `index` of an input row that did not run: `text` and the other outputs null."""
+    return {**base, "sample_index": index, "text": None, "token_ids": None, "logprobs": None,
+            "logprob_tokens": None, "prompt_logprobs": None, "prompt_tokens": prompt_tokens, "cached_tokens": 0,
+            "completion_tokens": 0, "finish_reason": "error", "error": error}
 
 
 class _Run:
@@ -189,7 +197,8 @@ class _Run:
             if error:
                 self._reject(base, unit, position, error, prepared.prompt_tokens)
                 continue
-            self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n)
+            where = f"row {row_index} of {file.name}" + (f" (id {row_id!r})" if self.id_column else "")
+            self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n, where)
             self.bound.add(unit.window, prepared.token_ids)
             fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
             yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id))
@@ -197,26 +206,25 @@ class _Run:
 
     def _reject(self, base: dict[str, Any], unit: Unit, position: int, error: str, prompt_tokens: int) -> None:
         for index in range(self.cfg.sampling.n):
-            self.writer.add(unit, position, {
-                **base, "sample_index": index, "text": None, "token_ids": None, "logprobs": None,
-                "logprob_tokens": None, "prompt_logprobs": None,
-                "prompt_tokens": prompt_tokens, "cached_tokens": 0, "completion_tokens": 0,
-                "finish_reason": "error", "error": error,
-            })
+            self.writer.add(unit, position, _error_row(base, index, error, prompt_tokens))
         self.rows += 1
         self.error_rows += 1
 
     def accept(self, result: Result) -> None:
         fault_point("row.result")  # crash tests: killed mid-decode of the other running rows
         entry = self.pending[result.id]
-        self.writer.add(entry.unit, entry.position, {
-            **entry.base, "sample_index": result.sample_index, "text": result.text,
-            "token_ids": result.token_ids, "logprobs": result.logprobs,
-            "logprob_tokens": result.logprob_tokens, "prompt_logprobs": result.prompt_logprobs,
-            "prompt_tokens": result.prompt_tokens,
-            "cached_tokens": result.cached_tokens, "completion_tokens": result.completion_tokens,
-            "finish_reason": result.finish_reason, "error": result.error,
-        })
+        if result.finish_reason == "error":  # the engine refused the row's own values (a `regex` column, ...)
+            row = _error_row(entry.base, result.sample_index, f"{entry.where}: {result.error}", result.prompt_tokens)
+        else:
+            row = {
+                **entry.base, "sample_index": result.sample_index, "text": result.text,
+                "token_ids": result.token_ids, "logprobs": result.logprobs,
+                "logprob_tokens": result.logprob_tokens, "prompt_logprobs": result.prompt_logprobs,
+                "prompt_tokens": result.prompt_tokens,
+                "cached_tokens": result.cached_tokens, "completion_tokens": result.completion_tokens,
+                "finish_reason": result.finish_reason, "error": result.error,
+            }
+        self.writer.add(entry.unit, entry.position, row)
         entry.remaining -= 1
         entry.failed |= result.finish_reason == "error"
         if entry.remaining == 0:
@@ -337,10 +345,13 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
     state = _Run(cfg, source, run_state, writer, builder, cfg.input.id_column if ids else None)
     stats = engine.stats
-    for result in engine.generate(state.requests()):
-        state.accept(result)
+
+    def observe() -> None:  # after every step: the first line and sample come before the first row finishes
         progress.update(state.rows, stats, state.bound.total)
         recorder.observe(state.rows, stats)
+
+    for result in engine.generate(state.requests(), on_step=observe):
+        state.accept(result)
     recorder.observe(state.rows, stats, force=True)
     progress.update(state.rows, stats, state.bound.total)
     progress.close()

@@ -265,6 +265,45 @@ def test_list_and_map_sampling_columns(tmp_path, tiny_model_dir, tiny_loaded):
     assert rows[3]["finish_reason"] == "error" and "column 'logit_bias'" in rows[3]["error"]
 
 
+def test_values_a_row_gives_that_the_engine_refuses_are_error_rows_naming_the_row(tmp_path, tiny_model_dir):
+    """A row's own regex that does not compile, or logit_bias id outside the vocabulary: the engine refuses
+    the row; the output row has null text and says which input row, not the engine's request number. Given
+    in the config instead, the same values stop the job at start (tests/e2e/test_job_errors.py)."""
+    bias = pa.array([None, None, [(99999, 1.0)]], pa.map_(pa.int64(), pa.float64()))
+    pq.write_table(pa.table({"id": [5, 6, 7], "prompt": ["a", "b", "c"], "regex": [None, "[a-", None],
+                             "logit_bias": bias}), tmp_path / "in.parquet")
+    run(job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.n=2",
+            "input.sampling_columns=[regex,logit_bias]"), stdout=io.StringIO())
+    rows = pl.read_parquet(tmp_path / "out" / "*.parquet").sort(["id", "sample_index"]).to_dicts()
+    assert [r["finish_reason"] == "error" for r in rows] == [False, False, True, True, True, True]
+    for r in rows[2:]:
+        assert r["text"] is None and r["completion_tokens"] == 0
+    assert rows[2]["error"].startswith("row 1 of in.parquet (id 6): regex cannot be used: ")
+    assert rows[4]["error"] == "row 2 of in.parquet (id 7): logit_bias has token ids outside 0..49151: [99999]"
+
+
+def test_model_path_as_a_file_url(tmp_path, tiny_model_dir):
+    """`file://` works for model.path as it does for input.path and output.path."""
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), tmp_path / "in.parquet")
+    metrics = run(job(f"file://{tiny_model_dir}", f"file://{tmp_path}/in.parquet", f"file://{tmp_path}/out"),
+                  stdout=io.StringIO())
+    assert metrics["rows"] == 1 and metrics["error_rows"] == 0 and metrics["model"]["path"] == str(tiny_model_dir)
+
+
+def test_first_progress_line_and_sample_come_before_any_row_finishes(tmp_path, tiny_model_dir, caplog):
+    """One row of 4 tokens finishes at the 4th step; the progress line and the report's sample follow every
+    step (an interval of a nanosecond has always passed by the end of a step), so the first of each shows
+    0 rows done. They used to wait for the first finished row."""
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), tmp_path / "in.parquet")
+    cfg = job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "sampling.ignore_eos=true",
+              "progress.mode=log", "progress.log_every_s=1e-9", "output.report_interval_s=1e-9")
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        metrics = run(cfg, stdout=io.StringIO())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rows ")]
+    assert lines[0].startswith("rows 0/1 (0.0%) | gen ") and lines[-1].startswith("rows 1/1 (100.0%)")
+    assert metrics["timeseries"]["series"]["rows_done"][0] == 0
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, quant):
     """`model.quant` reaches the loader: fewer weight bytes, and the job's tokens are the plain greedy
