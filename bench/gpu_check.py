@@ -354,7 +354,7 @@ def check_job(model_path: str, rows: int, max_tokens: int) -> None:
            f"model.path={model_path}", "engine.device=cuda", "hardware=h200", f"sampling.max_tokens={max_tokens}",
            "sampling.temperature=0", "progress.mode=off", "engine.max_batch_size=256", "engine.max_batched_tokens=4096"]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT)  # PYTHONPATH (the repo, carried packages) is inherited
+    subprocess.run(cmd, check=True, cwd=ROOT)  # PYTHONPATH (the repository) is inherited
     wall = time.perf_counter() - t0
     metrics = json.loads((work / "out" / "_metrics.json").read_text())
     st = metrics["engine"]
