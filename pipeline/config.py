@@ -101,14 +101,19 @@ class ModelSection:
     path: str | None = None
     cache_dir: str | None = None  # local copies of remote models; null: ~/.cache/llm-batch-pipeline/models
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (resolve_dtype)
-    quant: str = "none"  # none | int8 | int4 | gguf | w8a8 | fp8 | auto (docs/quantization.md)
+    # auto: the fastest scheme for the machine, chosen by regime (docs/quantization.md); none: the exact
+    # float job; int8 | int4 | gguf: weight-only, float activations; w8a8 | fp8: 8-bit activations too
+    quant: str = "auto"
     quant_group_size: int = 32  # inputs per scale group for int4 (32/64/128)
-    quant_w8a8_rows: int | None = 16  # int8/int4/gguf: steps of >= this many tokens run W8A8; null: never
+    quant_w8a8_rows: int | None = None  # int8/int4/gguf: steps of >= this many tokens run W8A8; null: never
     quant_lm_head: str = "auto"  # LM head in W8A8 steps: int8 | bf16 | none | auto (int8)
-    # KV cache: auto | float32 | bfloat16 | int8 (CPU only: a scale per vector); auto = int8 for quantized
-    # models on CPU (bfloat16 where the native attention kernel cannot build), else model dtype
+    # KV cache: auto | float32 | bfloat16 | int8 (CPU only: a scale per vector); auto = int8 for
+    # model.quant=auto on CPU (bfloat16 where the native attention kernel cannot build), else model dtype
     # (resolve_kv_dtype)
     kv_cache_dtype: str = "auto"
+    # keep what a quantized start derives from the model file on this CPU (pipeline/model/startup_cache.py)
+    startup_cache: bool = True
+    startup_cache_dir: str | None = None  # null: ~/.cache/llm-batch-pipeline/startup
 
 
 @dataclass
@@ -207,7 +212,8 @@ class JobConfig:
         # Speculation keeps greedy rows but changes which tokens a seed draws; off, it leaves the digest alone.
         spec = resolved.get("speculative") or {}
         speculative = {"speculative": spec} if spec.get("method", "none") != "none" else {}
-        model = {k: v for k, v in resolved["model"].items() if k != "cache_dir"}  # where a copy lives: no matter
+        # where a copy lives, and the start-up cache (it stores what a start would compute): no matter
+        model = {k: v for k, v in resolved["model"].items() if k not in ("cache_dir", "startup_cache", "startup_cache_dir")}
         # The dtype that runs, not `auto`: a run started on CPU (float32) and resumed on a GPU (bfloat16)
         # would otherwise mix rows of two precisions under one fingerprint.
         model["dtype"] = resolve_dtype(model["dtype"], resolved["engine"]["device"])
@@ -243,13 +249,14 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, quant: str, model_dtype: str, device: str) -> str:
-    """model.kv_cache_dtype with `auto` resolved. For a quantized model on CPU, a path that is approximate
-    already: int8 (a quarter of float32's bytes for decode attention to read, plus a scale per vector) where
-    the native attention kernel builds, which int8 needs, else bfloat16 (half). Otherwise the model's dtype:
-    the exact float32 job stays exact, and the CUDA runner keeps its cache in the model dtype."""
+    """model.kv_cache_dtype with `auto` resolved for model.quant=`quant` (as configured, not as resolved).
+    With model.quant=auto on CPU, a path chosen for speed: int8 (a quarter of float32's bytes for decode
+    attention to read, plus a scale per vector) where the native attention kernel builds, which int8 needs,
+    else bfloat16 (half). Otherwise the model's dtype: the exact float32 job stays exact, a weight-only scheme
+    keeps the file's weights as its only approximation, and the CUDA runner keeps its cache in the model dtype."""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    if quant == "none" or _on_cuda(device):
+    if quant != "auto" or _on_cuda(device):
         return model_dtype
     from kernels.cpu_attention import machine_reason
 
@@ -369,7 +376,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
     _positive("runtime.grace_s", schema.runtime.grace_s)
-    for key in ("name", "path", "cache_dir"):
+    for key in ("name", "path", "cache_dir", "startup_cache_dir"):
         value = getattr(schema.model, key)
         if value is not None and (not isinstance(value, str) or not value):
             raise JobError(f"invalid config `model.{key}`: {value!r}; expected a non-empty string or null")

@@ -11,8 +11,8 @@ import logging
 import resource
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import pyarrow as pa
@@ -36,6 +36,8 @@ from pipeline.source.files import ParquetSource
 from pipeline.source.prompts import PromptBuilder
 
 if TYPE_CHECKING:
+    from pipeline.model.startup_cache import StartupCache
+    from pipeline.perf.probe import ProbeResult
     from pipeline.perf.quant_choice import QuantChoice
     from pipeline.perf.roofline import HardwareProfile
 
@@ -66,15 +68,15 @@ def _model_options(cfg: JobConfig, quant: QuantChoice | None = None, measure: bo
     import torch
 
     scheme, rows, head = cfg.model.quant, cfg.model.quant_w8a8_rows, cfg.model.quant_lm_head
-    if scheme == "auto" and quant is None:
-        raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
     if quant is not None:
         from pipeline.perf.kernel_crossover import rows_to_load
 
         scheme, rows, head = quant.scheme, rows_to_load(quant, measure), quant.lm_head if head == "auto" else head
     elif head == "auto":
         head = "bf16" if _fast_bf16(cfg.engine.device, "native_bf16") else "int8"
-    kv_dtype = resolve_kv_dtype(cfg.model.kv_cache_dtype, scheme, cfg.model_dtype, cfg.engine.device)
+    # auto's int8 cache goes with the quantized model it chose, not with float weights
+    setting = "none" if scheme == "none" else cfg.model.quant
+    kv_dtype = resolve_kv_dtype(cfg.model.kv_cache_dtype, setting, cfg.model_dtype, cfg.engine.device)
     return {"dtype": getattr(torch, cfg.model_dtype), "device": cfg.engine.device, "quant": scheme,
             "quant_group_size": cfg.model.quant_group_size, "tensor_parallel": cfg.engine.tensor_parallel,
             "w8a8_rows": rows, "quant_lm_head": head, "kv_dtype": getattr(torch, kv_dtype),
@@ -87,7 +89,7 @@ def _measures_crossover(cfg: JobConfig, quant: QuantChoice | None) -> bool:
     import torch
 
     on_cpu = cfg.engine.device == "cpu" or not torch.cuda.is_available()
-    return (quant is not None and quant.scheme != "w8a8" and on_cpu
+    return (quant is not None and quant.scheme not in ("w8a8", "none") and on_cpu
             and bool(cfg.resolved["hardware"].get("probe")))
 
 
@@ -105,18 +107,77 @@ def _fast_bf16(device: str, on_cpu: str) -> bool:
 
 
 def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile) -> QuantChoice:
-    """Resolve model.quant=auto from the hardware profile's peaks (the probe's, on CPU); logged with why."""
-    from pipeline.model.loader import open_model_file
-    from pipeline.perf.quant_choice import choose_quant
+    """Resolve model.quant=auto: on one CPU rank, by regime from the hardware profile's peaks (the probe's);
+    under tensor parallelism or on a GPU, the model's own float weights. Logged with why."""
+    import torch
 
-    if cfg.engine.tensor_parallel > 1:
-        raise JobError("model.quant=auto needs engine.tensor_parallel=1 (ranks would probe apart); name a scheme")
+    from pipeline.model.loader import open_model_file
+    from pipeline.perf.quant_choice import QuantChoice, choose_quant
+
+    on_gpu = cfg.engine.device.startswith("cuda") or (cfg.engine.device == "auto" and torch.cuda.is_available())
+    if on_gpu or cfg.engine.tensor_parallel > 1:
+        why = ("a GPU: its float weights on tensor cores (model.quant=w8a8, fp8 or int4 to quantize)" if on_gpu else
+               "tensor_parallel > 1: its float weights (ranks would time kernels apart; name a scheme to quantize)")
+        choice = QuantChoice("none", None, "none", why)
+        log.info("model.quant=auto -> none (%s)", cfg.model_dtype + " weights on " + why)
+        return choice
     weight_only = "gguf" if model_path.endswith(".gguf") else "int4"
     kernels_fast = _fast_bf16(cfg.engine.device, "weight_only_kernels_fast")
     choice = choose_quant(open_model_file(model_path).config, hw, weight_only, kernels_fast, cfg.engine.batch_limit)
     log.info("model.quant=auto -> %s (W8A8 from %s rows, LM head %s): %s", choice.scheme, choice.w8a8_rows,
              choice.lm_head, choice.reason)
     return choice
+
+
+def _startup_cache(cfg: JobConfig) -> StartupCache | None:
+    """The startup cache of a quantized one-rank job (`model.startup_cache`), else None."""
+    if not cfg.model.startup_cache or cfg.model.quant == "none" or cfg.engine.tensor_parallel > 1:
+        return None
+    from pipeline.model.startup_cache import StartupCache
+
+    return StartupCache(cfg.model.startup_cache_dir)
+
+
+def _cached_probe(cache: StartupCache) -> Callable[[], ProbeResult]:
+    """The hardware probe, measured at this machine's first start and read from `cache` after."""
+    import torch
+
+    from pipeline.model.startup_cache import JSON_ENTRY
+    from pipeline.perf.probe import ProbeResult, probe
+
+    def measure() -> ProbeResult:
+        key = cache.key("probe", threads=torch.get_num_threads())
+        return ProbeResult(**cache.fetch(key, lambda: asdict(probe()), *JSON_ENTRY))
+
+    return measure
+
+
+def _cached_crossover(cache: StartupCache | None, model_key: str | None) -> Callable | None:
+    """auto's measured W8A8 crossing (`pipeline.perf.kernel_crossover`), timed once per cached model."""
+    if cache is None or model_key is None:
+        return None
+    from pipeline.model.startup_cache import JSON_ENTRY
+    from pipeline.perf.kernel_crossover import Crossover, measure_crossover
+
+    def measure(model: Any, rows: int) -> Crossover:
+        return Crossover.from_json(cache.fetch(f"{model_key}.crossover-{rows}",
+                                               lambda: measure_crossover(model, rows).as_json(), *JSON_ENTRY))
+
+    return measure
+
+
+def _pin_vector_isa(cfg: JobConfig, model: Any, cache: StartupCache | None) -> None:
+    """Where the engine will compile the layers, torch.compile's check of the CPU's vector instructions
+    (`pipeline.model.layers.pin_vector_isa`, ~3 s) answered from `cache` after the first start."""
+    from pipeline.engine.engine import compile_layers_wanted
+
+    if cache is None or not compile_layers_wanted(cfg.engine.compile, model, model.norm.weight.device):
+        return
+    from pipeline.model.layers import pin_vector_isa, vector_isa_ok
+    from pipeline.model.llama import cpp_compiler
+    from pipeline.model.startup_cache import JSON_ENTRY
+
+    pin_vector_isa(lambda: cache.fetch(cache.key("vector-isa", compiler=cpp_compiler()), vector_isa_ok, *JSON_ENTRY))
 
 
 def _draft_model(cfg: JobConfig, model_path: str, loaded: Any) -> Any:
@@ -290,26 +351,29 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     from pipeline.engine.engine import Engine
     from pipeline.parallel.runner import open_model
 
+    cache = _startup_cache(cfg)
     hardware = None
     if cfg.output.report or cfg.model.quant == "auto":
         from pipeline.perf.probe import hardware_profile
 
-        hardware = hardware_profile(cfg.resolved["hardware"])
+        hardware = hardware_profile(cfg.resolved["hardware"], *([_cached_probe(cache)] if cache else []))
     quant = _choose_quant(cfg, model_path, hardware) if cfg.model.quant == "auto" else None
     measure = _measures_crossover(cfg, quant)
     options = _model_options(cfg, quant, measure)
     kv_dtype = str(options["kv_dtype"]).removeprefix("torch.")
     try:
-        sharded = resources.enter_context(open_model(model_path, **options))
+        sharded = resources.enter_context(open_model(model_path, **options, startup_cache=cache))
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"cannot load model {model_path}: {e}") from None
     loaded = sharded.loaded
     if measure:
         from pipeline.perf.kernel_crossover import apply_measured_crossover
 
-        quant, crossover = apply_measured_crossover(quant, loaded.model, cfg.engine.batch_limit)
+        quant, crossover = apply_measured_crossover(quant, loaded.model, cfg.engine.batch_limit,
+                                                    _cached_crossover(cache, loaded.cache_key))
         options["w8a8_rows"] = quant.w8a8_rows
         log.info("model.quant=auto on this CPU: W8A8 from %s rows; %s", quant.w8a8_rows, crossover.describe())
+    _pin_vector_isa(cfg, loaded.model, cache)
     try:
         engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
                         _draft_model(cfg, model_path, loaded))

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Caches a job keeps under ~/.cache (remote model copies, the startup cache) go to a folder of this session,
+# the jobs it starts included: no test reads what an earlier session or a user's jobs left there.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pipeline-tests-cache-")
 # The tests run Triton kernels under its interpreter (on CPU). Set before anything imports triton:
 # @triton.jit reads it when a function is defined, triton's own library functions included, and
 # torch.compile imports triton where it is installed; set later, a test that compiled first broke the

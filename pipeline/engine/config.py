@@ -54,7 +54,7 @@ class EngineConfig:
     seed: int = 0  # seeds the generators of requests that carry no seed of their own
     tensor_parallel: int = 1  # ranks the model is split across (pipeline/parallel/runner.py)
     cuda_graphs: bool = True  # CUDA: replay captured decode steps (docs/gpu.md); no effect on CPU
-    # CPU: torch.compile the decoder layers (fused elementwise work): auto (quantized models), on, off
+    # CPU: torch.compile the decoder layers (fused elementwise work): auto (models with W8A8 steps), on, off
     compile: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA, kv_cache_memory=auto: share of device memory the job may use
 

@@ -548,11 +548,13 @@ def _adjusts_logits(seq: Sequence) -> bool:
 
 def compile_layers_wanted(setting: str, model: LlamaModel, device: torch.device) -> bool:
     """engine.compile resolved: only on CPU (the GPU path has its own kernels and CUDA graphs); `auto`
-    compiles quantized single-rank models, whose activation quantization and scale epilogues are most of
-    a CPU step outside the matmuls, where a C++ compiler is installed, and leaves the exact float32 path
-    eager."""
+    compiles single-rank models with W8A8 steps, whose activation quantization and scale epilogues are most
+    of a CPU step outside the matmuls, where a C++ compiler is installed. The exact float32 path and the
+    weight-only schemes stay eager: the compiled graphs' fused reductions round differently (last float32
+    bits), which moves greedy tokens at near-ties."""
     if setting == "off" or device.type != "cpu":
         return False
     if setting == "on":
         return True
-    return model.kernel_choice is not None and model.tp.size == 1 and cpp_compiler() is not None
+    choice = model.kernel_choice
+    return choice is not None and choice.w8a8_rows is not None and model.tp.size == 1 and cpp_compiler() is not None

@@ -69,21 +69,29 @@ def int8_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
     return parts
 
 
-def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]:
+def choose_int8_gemm(model: nn.Module, known: dict[str, str] | None = None) -> dict[str, str]:
     """Time the GEMMs this CPU has (`torch._int_mm`, oneDNN's packed one, the native VNNI one) on each part's
     own weights (`int8_parts`; of the layers, the first TIMED_LAYERS'), keep the fastest (packing the
     weights, the plain int8 copies freed, where a packed GEMM wins) and return {part: the GEMM chosen, the
-    figures, and why any GEMM was not timed}."""
+    figures, and why any GEMM was not timed}. A part in `known` (this function's answer for the same model
+    on the same CPU, kept by the startup cache) takes the GEMM named there untimed, where it is available."""
     chosen = {}
     with torch.inference_mode():
         for part, modules in int8_parts(model).items():
+            winner = gemm_named((known or {}).get(part, ""))
+            if winner is not None:
+                for m in modules:
+                    if winner != PLAIN and m.int8_layout[2] is None:
+                        m.use_packed_int8(PACKERS[winner](m, m.int8_layout[0]))
+                chosen[part] = known[part]
+                continue
             if any(m.int8_layout[2] is not None for m in modules):
                 chosen[part] = packed_gemm_name(next(m.int8_layout[2] for m in modules if m.int8_layout[2] is not None))
                 continue
             timed = _timed(model, part, modules)
-            candidates, notes = _packed_candidates(timed, rows)
+            candidates, notes = _packed_candidates(timed, TIMED_ROWS)
             names = [PLAIN, *candidates]
-            passes = [gemm_pass(timed, rows, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
+            passes = [gemm_pass(timed, TIMED_ROWS, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
                       for handles in [[None] * len(timed), *candidates.values()]]
             seconds = alternating_best(passes, ROUNDS, REPS) if candidates else [0.0]
             winner = names[min(range(len(names)), key=seconds.__getitem__)]
@@ -99,9 +107,17 @@ def choose_int8_gemm(model: nn.Module, rows: int = TIMED_ROWS) -> dict[str, str]
                         release_packed(handle)
             if candidates:
                 notes.insert(0, ", ".join(f"{t * 1e3:.2f} ms {name}" for name, t in zip(names, seconds)) +
-                             f" for {len(timed)} of its {len(modules)} weights at {rows} rows")
+                             f" for {len(timed)} of its {len(modules)} weights at {TIMED_ROWS} rows")
             chosen[part] = f"{winner} ({'; '.join(notes)})"
     return chosen
+
+
+def gemm_named(description: str) -> str | None:
+    """The GEMM a `choose_int8_gemm` answer names (its first words), if this CPU can run it now."""
+    name = next((n for n in (PLAIN, PACKED, NATIVE) if description.startswith(n)), None)
+    if name == NATIVE and native_unavailable():
+        return None
+    return name
 
 
 def _packed_candidates(timed: list[nn.Module], rows: int) -> tuple[dict[str, list[torch.Tensor]], list[str]]:

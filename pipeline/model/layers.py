@@ -35,10 +35,10 @@ def compiled_copy(fn: Callable, **options: Any) -> Callable:
     return torch.compile(own if fn is func else types.MethodType(own, fn.__self__), **options)
 
 
-def pin_vector_isa() -> bool:
+def pin_vector_isa(verdict: Callable[[], bool] | None = None) -> bool:
     """Write torch.compile's verdict on this CPU's vector instructions into its config
     (`torch._inductor.config.cpp.vec_isa_ok`) and return it; a value already set (TORCHINDUCTOR_VEC_ISA_OK)
-    is kept.
+    is kept. `verdict` (default `vector_isa_ok`, ~3 s) may answer from an earlier start's check.
 
     Why: the CPU backend vectorizes its loops only where a small check program, built and loaded in a
     child process, passes; left unset, the verdict is not part of the key of torch's on-disk graph cache.
@@ -46,15 +46,21 @@ def pin_vector_isa() -> bool:
     caches scalar loops that every later process is served, its own check passing or not: on a Zen 4 such
     a cache made the 256-row steps of a W8A8 job 1.4-1.5x slower. Pinned, the verdict keys the cache."""
     from torch._inductor import config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     cpp = config.cpp
     if cpp.vec_isa_ok is None:
-        cpp.vec_isa_ok = bool(pick_vec_isa())
+        cpp.vec_isa_ok = (verdict or vector_isa_ok)()
         if not cpp.vec_isa_ok:
             log.warning("torch.compile found no vector instructions it can use on this CPU (its check "
                         "program did not build or load): compiled loops are scalar and several times slower")
     return cpp.vec_isa_ok
+
+
+def vector_isa_ok() -> bool:
+    """torch.compile's own check of this CPU's vector instructions: a small program built and loaded."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return bool(pick_vec_isa())
 
 
 class RMSNorm(nn.Module):

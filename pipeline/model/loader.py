@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from pipeline.model.int8_gemm import choose_int8_gemm
 from pipeline.model.llama import LlamaModel
 from pipeline.model.quant import load_quantized, packed_int8_bytes
 from pipeline.model.remote import cached_model, is_url
+from pipeline.model.startup_cache import JSON_ENTRY, MODULE_ENTRY, StartupCache
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.parallel.group import SINGLE, TPGroup
 
@@ -76,6 +78,7 @@ class LoadedModel:
     config: ModelConfig
     name: str
     path: str
+    cache_key: str | None = None  # its entry in the startup cache (`pipeline.model.startup_cache`), if any
 
     @property
     def weight_bytes(self) -> int:
@@ -119,6 +122,7 @@ def load_model(
     quant_lm_head: str = "int8",
     kv_dtype: torch.dtype | None = None,
     prefer_speed: bool = False,
+    startup_cache: StartupCache | None = None,
 ) -> LoadedModel:
     """Build the Llama model of `path` (default: SmolLM2) with its weights in `dtype` on `device`.
 
@@ -129,6 +133,9 @@ def load_model(
     layouts are calibrated on a fixed text at load (`pipeline.model.calibration`).
     `kv_dtype` is the KV cache's dtype (None: `dtype`). `prefer_speed` (model.quant=auto): weight-only
     linears take torch's packed CPU kernels where they are fast even when no call runs W8A8.
+    With a `startup_cache`, a one-rank CPU load with W8A8 layouts (calibrated, GPTQ-rounded: the slow part)
+    reads the quantized model and its int8 GEMM choice from there when an earlier start stored them
+    (`LoadedModel.cache_key` names the entry), and stores them otherwise.
     """
     if quant not in QUANT_SCHEMES:
         raise ValueError(f"quant={quant!r} is not supported (expected one of {QUANT_SCHEMES})")
@@ -139,17 +146,34 @@ def load_model(
         )
     ckpt = open_model_file(path if path is not None else default_model_path())
     tokenizer = ckpt.load_tokenizer()
-    with torch.device(device):
-        model = LlamaModel(ckpt.config, tp, dtype)
-    if quant == "none":
-        model.load_weights(ckpt.tensors(dtype))
+
+    def build() -> LlamaModel:
+        with torch.device(device):
+            model = LlamaModel(ckpt.config, tp, dtype)
+        if quant == "none":
+            model.load_weights(ckpt.tensors(dtype))
+        else:
+            load_quantized(model, ckpt, quant, quant_group_size, w8a8_rows, quant_lm_head,
+                           calibration_ids(tokenizer), prefer_speed)
+        return model
+
+    cache_key = None
+    w8a8 = quant == "w8a8" or (quant != "none" and w8a8_rows is not None)
+    if startup_cache is not None and w8a8 and tp.size == 1 and torch.device(device).type == "cpu":
+        cache_key = startup_cache.key("model", file=startup_cache.file_hash(ckpt.path), dtype=str(dtype),
+                                      quant=quant, group=quant_group_size, w8a8_rows=w8a8_rows,
+                                      lm_head=quant_lm_head, prefer_speed=prefer_speed)
+        model = startup_cache.fetch(cache_key, build, *MODULE_ENTRY)
     else:
-        load_quantized(model, ckpt, quant, quant_group_size, w8a8_rows, quant_lm_head, calibration_ids(tokenizer),
-                       prefer_speed)
-        if model.kernel_choice.w8a8_rows is not None and model.norm.weight.device.type == "cpu":
-            model.kernel_choice.int8_gemm = choose_int8_gemm(model)
-            model.use_native_layers()
+        model = build()
+    if model.kernel_choice is not None and model.kernel_choice.w8a8_rows is not None \
+            and model.norm.weight.device.type == "cpu":
+        gemms = None
+        if cache_key is not None:  # timed at the first start, packed for the GEMM chosen then at the next
+            gemms = startup_cache.fetch(f"{cache_key}.gemm", functools.partial(choose_int8_gemm, model), *JSON_ENTRY)
+        model.kernel_choice.int8_gemm = choose_int8_gemm(model, gemms)
+        model.use_native_layers()
     model.kv_dtype = kv_dtype or dtype
     model.eval()
     release_freed_memory()
-    return LoadedModel(model, tokenizer, ckpt.config, ckpt.name, str(ckpt.path))
+    return LoadedModel(model, tokenizer, ckpt.config, ckpt.name, str(ckpt.path), cache_key)

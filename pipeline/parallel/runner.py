@@ -22,6 +22,7 @@ import torch
 from pipeline.engine.runner import Runner, StepBatch
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import LoadedModel, load_model, open_model_file
+from pipeline.model.startup_cache import StartupCache
 from pipeline.parallel.group import SINGLE, TPGroup
 from pipeline.parallel.pool import WorkerPool, rank_device
 from pipeline.parallel.torchrun import TorchrunDriver, TorchrunEnv, join_torchrun
@@ -54,9 +55,9 @@ class ShardSpec:
     kv_dtype: torch.dtype | None = None
     prefer_speed: bool = False
 
-    def load(self, group: TPGroup, device: str) -> LoadedModel:
+    def load(self, group: TPGroup, device: str, startup_cache: StartupCache | None = None) -> LoadedModel:
         return load_model(self.path, self.dtype, group, device, self.quant, self.quant_group_size,
-                          self.w8a8_rows, self.quant_lm_head, self.kv_dtype, self.prefer_speed)
+                          self.w8a8_rows, self.quant_lm_head, self.kv_dtype, self.prefer_speed, startup_cache)
 
     def build(self, group: TPGroup, device: str) -> RunnerWorker:
         return RunnerWorker(self.load(group, device).model, torch.device(device))
@@ -124,6 +125,7 @@ def open_model(
     tensor_parallel: int = 1,
     threads: int | None = None,
     timeout_s: float = 300.0,
+    startup_cache: StartupCache | None = None,
     **load: Any,
 ) -> Iterator[ShardedModel]:
     """Load the model for `tensor_parallel` ranks and keep the workers alive for the `with` block.
@@ -133,12 +135,12 @@ def open_model(
     plain runner. Otherwise the head counts are checked before any process starts; under `torchrun` (its RANK/WORLD_SIZE in the
     environment) the ranks it started are joined instead of spawning, and ranks > 0 serve steps here and
     then exit the process (SystemExit 0). Leaving the block normally stops the workers in order; an
-    exception terminates them.
+    exception terminates them. A one-rank load may read and store its quantized model in `startup_cache`.
     """
     device = _resolve_device(device)
     spec = ShardSpec(str(path), **load)
     if tensor_parallel == 1:
-        yield ShardedModel(spec.load(SINGLE, device))
+        yield ShardedModel(spec.load(SINGLE, device, startup_cache))
         return
     open_model_file(path).config.check_tensor_parallel(tensor_parallel)
     env = TorchrunEnv.from_env()

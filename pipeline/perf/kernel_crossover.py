@@ -40,6 +40,13 @@ class Crossover:
     w8a8_rows: int | None
     step_seconds: dict[int, tuple[float, float]]
 
+    def as_json(self) -> dict:
+        return {"w8a8_rows": self.w8a8_rows, "step_seconds": [[r, *s] for r, s in self.step_seconds.items()]}
+
+    @classmethod
+    def from_json(cls, value: dict) -> Crossover:
+        return cls(value["w8a8_rows"], {int(r): (wo, w8) for r, wo, w8 in value["step_seconds"]})
+
     def describe(self) -> str:
         figures = ", ".join(f"{rows}: {wo * 1e3:.2f} vs {w8 * 1e3:.2f}" for rows, (wo, w8) in self.step_seconds.items())
         where = "never" if self.w8a8_rows is None else f"from {self.w8a8_rows} rows"
@@ -64,14 +71,16 @@ def rows_to_load(choice: QuantChoice, timed: bool) -> int | None:
     return (choice.w8a8_rows or 1) if timed else choice.w8a8_rows
 
 
-def apply_measured_crossover(choice: QuantChoice, model: torch.nn.Module,
-                             max_batch: int) -> tuple[QuantChoice, Crossover]:
+def apply_measured_crossover(choice: QuantChoice, model: torch.nn.Module, max_batch: int,
+                             measure: Callable[[torch.nn.Module, int], Crossover] | None = None,
+                             ) -> tuple[QuantChoice, Crossover]:
     """Time auto's crossing on `model` (loaded with both layouts) up to min(max_batch, MAX_TIMED_ROWS) rows,
     switch the model's kernel choice there (from 1 row: W8A8 throughout, the weight-only layouts freed),
     and return `choice` updated (its reason extended with the figures) and the measurement. Where W8A8 does
     not win at the largest size timed, the roofline's crossing stands if it lies beyond the sizes timed,
-    else weight-only at every batch."""
-    crossover = measure_crossover(model, min(max_batch, MAX_TIMED_ROWS))
+    else weight-only at every batch. `measure` (default `measure_crossover`) may answer from an earlier
+    start's measurement (the startup cache)."""
+    crossover = (measure or measure_crossover)(model, min(max_batch, MAX_TIMED_ROWS))
     rows = crossover.w8a8_rows
     if rows is None and choice.w8a8_rows is not None and choice.w8a8_rows > max(crossover.step_seconds):
         rows = choice.w8a8_rows

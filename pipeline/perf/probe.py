@@ -151,12 +151,12 @@ def fill_hardware_config(cfg: dict, measure: Callable[[], ProbeResult] = probe) 
     return out
 
 
-def hardware_profile(cfg: Mapping[str, Any]) -> HardwareProfile:
+def hardware_profile(cfg: Mapping[str, Any], measure: Callable[[], ProbeResult] = probe) -> HardwareProfile:
     """A `hardware` config (a conf/hardware/*.yaml mapping) as a profile; with `probe: true` its null
-    figures are measured here first (a few seconds)."""
+    figures are measured here first (`measure`: a few seconds, or an earlier start's figures)."""
     raw = dict(cfg)
     if raw.pop("probe", False):
-        raw = fill_hardware_config(raw)
+        raw = fill_hardware_config(raw, measure)
     return HardwareProfile.from_config(raw)
 
 

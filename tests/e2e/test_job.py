@@ -23,7 +23,8 @@ from pipeline.model.loader import load_model
 from tests.reference import assert_only_near_ties, greedy, greedy_decode, prompt_logits
 from tests.test_config import compose_job
 
-FAST = ("engine.kv_cache_memory=16MiB", "sampling.max_tokens=4", "progress.mode=off")
+# model.quant=none: the exact float job, which the references here reproduce (a test may name a scheme)
+FAST = ("engine.kv_cache_memory=16MiB", "sampling.max_tokens=4", "progress.mode=off", "model.quant=none")
 
 
 def job(tiny_model_dir, input_path, output_path, *overrides):
@@ -307,13 +308,14 @@ def test_first_progress_line_and_sample_come_before_any_row_finishes(tmp_path, t
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, quant):
     """`model.quant` reaches the loader: fewer weight bytes, and the job's tokens are the plain greedy
-    decode of the same quantized model (over a float32 KV cache, as the reference keeps its keys)."""
+    decode of the same quantized model. A weight-only scheme means only that by default: float activations
+    at every batch size (no W8A8 steps), a float32 KV cache as the reference keeps its keys, eager layers."""
     n_rows = write_shards(tmp_path / "in")
     out = tmp_path / "out"
-    metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, f"model.quant={quant}",
-                      "model.quant_w8a8_rows=null", "model.kv_cache_dtype=float32", "output.token_ids=true"),
+    metrics = run(job(tiny_model_dir, f"{tmp_path}/in/*.parquet", out, f"model.quant={quant}", "output.token_ids=true"),
                   stdout=io.StringIO())
-    assert metrics["model"]["kv_cache_dtype"] == "float32"
+    assert metrics["model"]["kv_cache_dtype"] == "float32" and metrics["model"]["w8a8_rows"] is None
+    assert not metrics["model"]["compiled_layers"]
     assert metrics["weight_bytes"] < tiny_loaded.weight_bytes
     assert metrics["model"]["kernel_steps"] == {quant: metrics["steps"]}
     df = pl.read_parquet(out / "*.parquet").sort("id")
@@ -328,6 +330,39 @@ def test_quantized_model_through_the_job(tmp_path, tiny_model_dir, tiny_loaded, 
 # Fixed figures instead of the probe: int8 4x the bf16 peak, so W8A8 wins from a few rows on.
 HARDWARE = ("hardware.probe=false", "hardware.bandwidth_tbs=0.02", "hardware.memory_gb=16",
             "hardware.peak_tflops.fp32=0.1", "hardware.peak_tflops.bf16=0.2", "hardware.peak_tflops.int8=0.8")
+
+
+def test_a_second_auto_start_reads_what_the_first_derived(tmp_path, tiny_model_dir, monkeypatch):
+    """model.quant=auto's first start probes the machine, quantizes and calibrates, times the GEMMs and the
+    W8A8 switch point and checks torch.compile's vector instructions; the second reads all of it from the
+    startup cache (each of those steps refused here) and writes the same rows."""
+    write_shards(tmp_path / "in")
+    cache = f"model.startup_cache_dir={tmp_path / 'cache'}"
+    args = (tiny_model_dir, f"{tmp_path}/in/*.parquet")
+    first = run(job(*args, tmp_path / "out1", "model.quant=auto", cache, "output.token_ids=true"), stdout=io.StringIO())
+
+    def refuse(*a, **k):
+        raise AssertionError("a second start must read this from the startup cache")
+
+    from pipeline.model import int8_gemm, layers, loader
+    from pipeline.perf import kernel_crossover, probe
+
+    for module, name in [(probe, "probe"), (loader, "load_quantized"), (int8_gemm, "alternating_best"),
+                         (kernel_crossover, "measure_crossover"), (layers, "vector_isa_ok")]:
+        monkeypatch.setattr(module, name, refuse)
+    from torch._inductor import config
+
+    verdict, config.cpp.vec_isa_ok = config.cpp.vec_isa_ok, None  # unset, as in a new process
+    try:
+        second = run(job(*args, tmp_path / "out2", "model.quant=auto", cache, "output.token_ids=true"),
+                     stdout=io.StringIO())
+        assert config.cpp.vec_isa_ok == verdict
+    finally:
+        config.cpp.vec_isa_ok = verdict
+    assert second["model"]["quant_auto"] == first["model"]["quant_auto"]
+    assert second["model"]["int8_gemm"] == first["model"]["int8_gemm"]
+    rows = [pl.read_parquet(tmp_path / out / "*.parquet").sort("id").select("id", "token_ids") for out in ("out1", "out2")]
+    assert rows[0].equals(rows[1])
 
 
 @pytest.mark.parametrize("quant", ["w8a8", "auto"])
@@ -347,7 +382,7 @@ def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
     assert model["compiled_layers"]  # engine.compile=auto compiles quantized models on CPU
     if quant == "auto":
         assert model["quant_auto"]["scheme"] == model["quant"] and model["quant_auto"]["reason"]
-        assert model["kv_cache_dtype"] == resolve_kv_dtype("auto", model["quant"], "float32", "cpu")
+        assert model["kv_cache_dtype"] == resolve_kv_dtype("auto", "auto", "float32", "cpu")
         assert model["kv_cache_dtype"] in ("int8", "bfloat16")
         return
     assert model["kernel_steps"] == {"w8a8": metrics["steps"]}

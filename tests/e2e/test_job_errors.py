@@ -34,7 +34,7 @@ def inputs(tmp_path):
 
 
 def fails(tmp_path, *overrides) -> str:
-    cfg = load_job_config(compose_job(f"output.path={tmp_path}/out", *overrides))
+    cfg = load_job_config(compose_job(f"output.path={tmp_path}/out", "model.quant=none", *overrides))
     with pytest.raises(JobError) as e:
         run(cfg)
     return str(e.value)

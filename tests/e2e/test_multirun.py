@@ -39,7 +39,7 @@ def test_multirun_writes_one_complete_output_per_job(tmp_path, tiny_model_dir):
     done = subprocess.run(
         [sys.executable, "-m", "pipeline", "-m", "sampling.temperature=0,0.7", f"input.path={tmp_path}/in.parquet",
          f"output.path={out}", f"model.path={tiny_model_dir}", "sampling.max_tokens=3", "progress.mode=off",
-         "engine.kv_cache_memory=16MiB", f"hydra.sweep.dir={tmp_path}/sweep"],
+         "engine.kv_cache_memory=16MiB", "model.quant=none", f"hydra.sweep.dir={tmp_path}/sweep"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -89,7 +89,7 @@ def test_job_and_plan_name_the_remote_model(remote_model, tmp_path, capsys):
     pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"]}), tmp_path / "in.parquet")
     overrides = [f"model.path={remote_model}", f"model.cache_dir={tmp_path / 'cache'}"]
     cfg = load_job_config(compose_job(f"input.path={tmp_path / 'in.parquet'}", f"output.path={tmp_path / 'out'}",
-                                      "sampling.max_tokens=2", "progress.mode=off", *overrides))
+                                      "sampling.max_tokens=2", "progress.mode=off", "model.quant=none", *overrides))
     metrics = run(cfg, stdout=io.StringIO())
     assert metrics["model"]["name"] == "tiny-llama"
     meta = pq.read_metadata(next(Path(tmp_path / "out").glob("part-*.parquet"))).metadata

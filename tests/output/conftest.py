@@ -96,4 +96,4 @@ def job_args(tiny_model_dir, prompts_file) -> list[str]:
     """Arguments shared by the whole-run tests: tiny model, small parts, short greedy completions."""
     return [f"input.path={prompts_file}", f"model.path={tiny_model_dir}", "sampling.max_tokens=5",
             "output.rows_per_part=2", "engine.kv_cache_memory=32MiB", "engine.max_batch_size=16",
-            "progress.mode=off"]
+            "progress.mode=off", "model.quant=none"]

@@ -23,7 +23,7 @@ def ok_rows(n: int, start: int = 0) -> list[dict]:
 def run_ok(job_runner, inp, out, model_dir, *extra: str) -> list[dict]:
     """Run a job over `inp` into `out` with the tiny model; it must succeed. Returns the output rows."""
     rc, log = job_runner.run([f"input.path={inp}", f"output.path={out}", f"model.path={model_dir}", *extra,
-                              "engine.kv_cache_memory=32MiB", "progress.mode=off"])
+                              "engine.kv_cache_memory=32MiB", "progress.mode=off", "model.quant=none"])
     assert rc == 0, log
     return read_output(str(out))
 
@@ -33,7 +33,7 @@ def setup_case(case: str, tmp_path, model_dir) -> tuple[list[str], int, str]:
     inp, out = tmp_path / "in", tmp_path / "out"
     inp.mkdir()
     good = write_prompts(inp / "a.parquet", ok_rows(4))
-    base = [f"input.path={inp}", f"output.path={out}", f"model.path={model_dir}", "progress.mode=off"]
+    base = [f"input.path={inp}", f"output.path={out}", f"model.path={model_dir}", "progress.mode=off", "model.quant=none"]
     if case == "empty input folder":
         good.unlink()
         return base, 2, "is a directory with no .parquet files"

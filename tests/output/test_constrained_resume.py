@@ -24,7 +24,7 @@ def test_killed_constrained_run_resumes_to_the_same_rows(job_runner, tiny_model_
     prompts = write_prompts(tmp_path / "in.parquet", rows)
     args = [f"input.path={prompts}", f"model.path={tiny_model_dir}", "sampling.max_tokens=16", "sampling.n=2",
             "sampling.temperature=0.9", "sampling.seed=11", "output.rows_per_part=2", "input.sampling_columns=[json_schema]",
-            "engine.kv_cache_memory=32MiB", "engine.max_batch_size=8", "progress.mode=off"]
+            "engine.kv_cache_memory=32MiB", "engine.max_batch_size=8", "progress.mode=off", "model.quant=none"]
     rc, log = job_runner.run([*args, f"output.path={tmp_path / 'ref'}"])
     assert rc == 0, log
     rc, log = job_runner.run([*args, f"output.path={tmp_path / 'out'}"], {"PIPELINE_FAULT": "row.result:20"})

@@ -29,7 +29,7 @@ def write_input(path, letter: str) -> None:
 def args(tiny_model_dir, tmp_path) -> list[str]:
     write_input(tmp_path / "in.parquet", "a")
     return [f"input.path={tmp_path / 'in.parquet'}", f"model.path={tiny_model_dir}", "sampling.max_tokens=3",
-            "output.rows_per_part=4", "engine.kv_cache_memory=32MiB", "progress.mode=off",
+            "output.rows_per_part=4", "engine.kv_cache_memory=32MiB", "progress.mode=off", "model.quant=none",
             f"output.path={tmp_path / 'out'}"]
 
 

@@ -30,7 +30,7 @@ def slow_args(tiny_model_dir, tmp_path_factory) -> list[str]:
             for i in range(8)]
     path = write_prompts(tmp_path_factory.mktemp("slow") / "in.parquet", rows)
     return [f"input.path={path}", f"model.path={tiny_model_dir}", "sampling.ignore_eos=true",
-            "output.rows_per_part=2", "engine.kv_cache_memory=32MiB", "progress.mode=off",
+            "output.rows_per_part=2", "engine.kv_cache_memory=32MiB", "progress.mode=off", "model.quant=none",
             f"runtime.grace_s={GRACE_S}"]
 
 

@@ -27,7 +27,7 @@ COLUMNS = ["id", "text", "token_ids", "finish_reason"]
 
 def overrides(tmp_path: Path, model_dir: Path, out: str, *extra: str) -> list[str]:
     return [f"input.path={tmp_path}/in/*.parquet", f"output.path={tmp_path}/{out}", f"model.path={model_dir}",
-            "engine.kv_cache_memory=16MiB", "output.token_ids=true", *extra]
+            "engine.kv_cache_memory=16MiB", "output.token_ids=true", "model.quant=none", *extra]
 
 
 def test_job_with_two_ranks_writes_what_one_rank_writes(tmp_path, tiny_model_dir, no_orphans):

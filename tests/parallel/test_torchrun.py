@@ -36,7 +36,7 @@ def test_job_under_torchrun_writes_what_one_rank_writes(tmp_path, tiny_model_dir
     write_shards(tmp_path / "in", (5, 4))
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"}
     common = [f"input.path={tmp_path}/in/*.parquet", f"model.path={tiny_model_dir}", "engine.kv_cache_memory=16MiB",
-              "output.token_ids=true", "sampling.max_tokens=6", "progress.mode=off"]
+              "output.token_ids=true", "sampling.max_tokens=6", "progress.mode=off", "model.quant=none"]
     launchers = {1: [sys.executable, "-m", "pipeline"],
                  2: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                      "-m", "pipeline"]}

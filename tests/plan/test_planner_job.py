@@ -18,7 +18,8 @@ from pipeline.plan import window as window_module
 from pipeline.plan.prefix import unique_prefix_tokens
 from tests.test_config import compose_job
 
-BASE = ("sampling.max_tokens=4", "progress.mode=off", "input.messages_column=messages", "output.token_ids=true")
+BASE = ("sampling.max_tokens=4", "progress.mode=off", "input.messages_column=messages", "output.token_ids=true",
+        "model.quant=none")
 
 
 def job(model_dir, input_path, output_path, *overrides):

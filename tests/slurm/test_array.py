@@ -29,7 +29,7 @@ def output_ids(out: Path) -> list:
 
 def job_args(model: Path, out: Path, *extra: str) -> list[str]:
     return [f"model.path={model}", f"input.path={SAMPLE}/*.parquet", f"output.path={out}",
-            "progress.mode=off", *extra]
+            "progress.mode=off", "model.quant=none", *extra]
 
 
 def job_env() -> dict[str, str]:

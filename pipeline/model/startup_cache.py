@@ -1,0 +1,187 @@
+"""What a quantized start derives from a model file on a given CPU, kept on disk so the next start reuses it.
+
+A `model.quant=auto` start does the same work for the same file on the same machine every time: the
+hardware probe, the calibration pass, GPTQ rounding and smoothing of the W8A8 weights, timing the int8
+GEMMs and the weight-only/W8A8 switch point, torch.compile's check of the CPU's vector instructions. Each
+result is an entry here, read at the next start instead of being recomputed (SmolLM2 on 2 cores: ~12 s of
+load down to a few).
+
+Entries are keyed by everything their value depends on (`StartupCache.key`): the model file's content hash
+(sha256, remembered per path, size and modification time so a large file is hashed once), the load
+settings, the CPU's model and flags, the torch version and a digest of this package's model and kernel
+sources (a changed quantizer never reads an old entry). An entry is a payload file and a `.sha256` file
+written after it, each by an atomic rename; a reader checks the payload's size and hash against it, so a
+truncated or damaged entry is rebuilt, never trusted. Jobs sharing a cache folder (Slurm tasks on one node)
+build an entry once: the first takes the entry's file lock and builds, the others wait and read.
+
+Model entries are pickles (`torch.save` of the module): load them only from a folder you trust, as you
+would the model file itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+import torch
+from filelock import FileLock
+
+from kernels.native_build import cpu_identity
+from pipeline import __version__
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_CHUNK = 8 << 20
+_SOURCE_ROOTS = ("pipeline/model", "kernels")  # the code that shapes what an entry holds
+
+
+def default_startup_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/llm-batch-pipeline/startup` (`~/.cache/...` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "llm-batch-pipeline" / "startup"
+
+
+@cache
+def code_digest() -> str:
+    """sha256 over this package's model and kernel sources (and its version): part of every key."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256(__version__.encode())
+    for folder in _SOURCE_ROOTS:
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in (".py", ".c", ".h", ".txt") and path.is_file():
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class DamagedEntry(Exception):
+    """An entry whose payload does not match its recorded size and hash (or cannot be decoded)."""
+
+
+class StartupCache:
+    """One cache folder; `fetch` reads an entry or builds and stores it."""
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root).expanduser() if root else default_startup_cache_dir()
+
+    def key(self, kind: str, **parts: Any) -> str:
+        """A name for an entry of `kind` whose value depends on `parts` (JSON values), this CPU, torch and
+        this package's sources."""
+        return _name(kind, parts=parts, cpu=cpu_identity(), torch=torch.__version__, code=code_digest())
+
+    def file_hash(self, path: str | Path) -> str:
+        """sha256 of a model file (or of a directory's files, in name order), remembered in the cache by
+        path, size and modification time so each version of a large file is read once."""
+        path = Path(path).resolve()
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        memo = _name("hash", stamp=stamp)  # the content's hash depends on the content alone
+        return self.fetch(memo, lambda: _content_hash(files), *JSON_ENTRY)
+
+    def fetch(self, name: str, build: Callable[[], T], dump: Callable[[T, BinaryIO], None],
+              load: Callable[[Path], T]) -> T:
+        """The entry `name` decoded by `load` (from its file), or `build()` stored (written by `dump`) and
+        returned. A damaged entry is logged and rebuilt; a folder that cannot be written is logged and
+        skipped."""
+        try:
+            return self._read(name, load)
+        except OSError:  # never written (or not readable): build it
+            pass
+        except DamagedEntry as e:
+            log.warning("startup cache entry %s is damaged (%s): rebuilding it", self.root / name, e)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(self.root / f"{name}.lock"))
+            lock.acquire()
+        except OSError as e:
+            log.warning("startup cache %s is not writable (%s): computing without it", self.root, e)
+            return build()
+        try:
+            try:
+                return self._read(name, load)  # another job built it while this one waited
+            except (OSError, DamagedEntry):
+                pass
+            value = build()
+            try:
+                self._write(name, value, dump)
+            except OSError as e:
+                log.warning("cannot write startup cache entry %s (%s): the next start recomputes it",
+                            self.root / name, e)
+            return value
+        finally:
+            lock.release()
+
+    def _read(self, name: str, load: Callable[[Path], T]) -> T:
+        """The entry's value; OSError where it was never written, DamagedEntry where it does not check out."""
+        seal = (self.root / f"{name}.sha256").read_text().split()
+        path = self.root / name
+        found = [str(path.stat().st_size), _content_hash([path])]
+        if seal != found:
+            raise DamagedEntry(f"{found[0]} bytes that do not match the recorded size and sha256")
+        try:
+            return load(path)
+        except Exception as e:  # a payload that hashes right but does not decode: written by other code
+            raise DamagedEntry(f"cannot decode it: {e}") from None
+
+    def _write(self, name: str, value: T, dump: Callable[[T, BinaryIO], None]) -> None:
+        """The payload, then its seal, each written to a temporary file and renamed into place."""
+        path = self.root / name
+        _atomic_write(path, lambda f: dump(value, f))
+        seal = f"{path.stat().st_size} {_content_hash([path])}\n".encode()
+        _atomic_write(self.root / f"{name}.sha256", lambda f: f.write(seal))
+
+
+def _name(kind: str, **ident: Any) -> str:
+    return f"{kind}-{hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]}"
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _content_hash(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _dump_json(value: Any, f: BinaryIO) -> None:
+    f.write(json.dumps(value, sort_keys=True).encode())
+
+
+def _load_json(path: Path) -> Any:
+    return json.loads(path.read_bytes())
+
+
+JSON_ENTRY = (_dump_json, _load_json)  # (dump, load) of an entry holding a JSON value
+
+
+def _dump_module(module: torch.nn.Module, f: BinaryIO) -> None:
+    torch.save(module, f)
+
+
+def _load_module(path: Path) -> torch.nn.Module:
+    return torch.load(path, weights_only=False, mmap=True)
+
+
+MODULE_ENTRY = (_dump_module, _load_module)  # a whole module (`torch.save`, pickled: a trusted folder only)

@@ -1,0 +1,152 @@
+"""The startup cache (`pipeline.model.startup_cache`): entries built once, read back, rebuilt when damaged,
+shared safely by concurrent jobs; a quantized model read from it is the model a fresh load builds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.model import int8_gemm, loader, quant
+from pipeline.model.loader import load_model
+from pipeline.model.startup_cache import JSON_ENTRY, StartupCache
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def counted(value, calls: list):
+    def build():
+        calls.append(1)
+        return value
+
+    return build
+
+
+def test_an_entry_is_built_once_then_read(tmp_path):
+    cache, calls = StartupCache(tmp_path), []
+    name = cache.key("figures", size=3)
+    assert cache.fetch(name, counted({"a": [1, 2]}, calls), *JSON_ENTRY) == {"a": [1, 2]}
+    assert StartupCache(tmp_path).fetch(name, counted({"a": "other"}, calls), *JSON_ENTRY) == {"a": [1, 2]}
+    assert len(calls) == 1
+    assert cache.key("figures", size=4) != name  # the key follows what the value depends on
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a byte changed", "seal missing", "decodes badly"])
+def test_a_damaged_entry_is_rebuilt_not_trusted(tmp_path, caplog, damage):
+    cache, calls = StartupCache(tmp_path), []
+    name = cache.key("figures")
+    cache.fetch(name, counted(list(range(100)), calls), *JSON_ENTRY)
+    payload, seal = tmp_path / name, tmp_path / f"{name}.sha256"
+    data = payload.read_bytes()
+    if damage == "truncated":
+        payload.write_bytes(data[: len(data) // 2])
+    elif damage == "a byte changed":
+        payload.write_bytes(data.replace(b"7", b"8", 1))
+    elif damage == "seal missing":
+        seal.unlink()
+    else:  # hashes right (the seal rewritten to match) but is not what `load` reads
+        payload.write_bytes(b"not json")
+        cache._write(name, None, lambda value, f: f.write(b"not json"))
+    with caplog.at_level(logging.WARNING):
+        assert cache.fetch(name, counted(list(range(100)), calls), *JSON_ENTRY) == list(range(100))
+    assert len(calls) == 2
+    assert (damage == "seal missing") or "is damaged" in caplog.text
+    assert json.loads(payload.read_bytes()) == list(range(100))  # rewritten whole
+    assert cache.fetch(name, counted([], calls), *JSON_ENTRY) == list(range(100)) and len(calls) == 2
+
+
+def test_four_concurrent_jobs_build_an_entry_once_and_all_read_it(tmp_path):
+    """Each process asks for the same entry; the build (slow, and logging each call to a file) runs in
+    exactly one of them, whichever order they come in, and every process gets its value."""
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from pipeline.model.startup_cache import JSON_ENTRY, StartupCache
+
+def build():
+    with open({str(tmp_path / 'builds')!r}, "a") as f:
+        f.write("built\\n")
+    time.sleep(0.5)
+    return {{"figures": list(range(1000))}}
+
+cache = StartupCache({str(tmp_path / 'cache')!r})
+value = cache.fetch(cache.key("shared"), build, *JSON_ENTRY)
+print(sum(value["figures"]))
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4
+    assert outputs == [str(sum(range(1000)))] * 4
+    assert (tmp_path / "builds").read_text() == "built\n"
+
+
+def test_an_unwritable_folder_computes_without_the_cache(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cache, calls = StartupCache(blocker / "cache"), []
+    with caplog.at_level(logging.WARNING):
+        assert cache.fetch("x", counted(5, calls), *JSON_ENTRY) == 5
+        assert cache.fetch("x", counted(5, calls), *JSON_ENTRY) == 5
+    assert len(calls) == 2 and "not writable" in caplog.text
+
+
+def test_the_file_hash_is_the_contents_and_follows_a_changed_file(tmp_path):
+    cache = StartupCache(tmp_path / "cache")
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"weights" * 1000)
+    b.write_bytes(b"weights" * 1000)
+    assert cache.file_hash(a) == cache.file_hash(b)  # same bytes, other path: the same key
+    first = cache.file_hash(a)
+    a.write_bytes(b"weightz" * 1000)
+    assert cache.file_hash(a) != first
+
+
+def _hidden_states(model: torch.nn.Module) -> torch.Tensor:
+    from pipeline.model.attention import WholeSequence
+
+    ids = torch.tensor([1, 5, 9, 200, 3, 77, 12, 40])
+    with torch.inference_mode():
+        return model(ids, torch.arange(len(ids)), WholeSequence(model.scale))
+
+
+@pytest.mark.parametrize("scheme,rows", [("w8a8", None), ("int4", 4)])
+def test_a_model_read_from_the_cache_is_the_model_a_load_builds(tmp_path, tiny_model_dir, monkeypatch, scheme, rows):
+    """The second load reads the quantized model and its GEMM choice (no calibration, no timing) and gives
+    the first load's hidden states bit for bit; a truncated entry is rebuilt."""
+    cache = StartupCache(tmp_path)
+    options = {"quant": scheme, "w8a8_rows": rows, "prefer_speed": True, "startup_cache": cache}
+    first = load_model(tiny_model_dir, **options)
+    assert first.cache_key is not None and (tmp_path / first.cache_key).is_file()
+    expected = _hidden_states(first.model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached start must not quantize or time anything")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "load_quantized", refuse)
+        patch.setattr(int8_gemm, "alternating_best", refuse)
+        second = load_model(tiny_model_dir, **options)
+    assert second.cache_key == first.cache_key
+    assert second.model.kernel_choice.int8_gemm == first.model.kernel_choice.int8_gemm
+    assert second.model.kernel_choice.w8a8_rows == first.model.kernel_choice.w8a8_rows
+    assert torch.equal(_hidden_states(second.model), expected)
+
+    entry = tmp_path / first.cache_key
+    entry.write_bytes(entry.read_bytes()[:1000])
+    calls = []
+    original = quant.load_quantized
+    monkeypatch.setattr(loader, "load_quantized", lambda *a, **k: calls.append(1) or original(*a, **k))
+    third = load_model(tiny_model_dir, **options)
+    assert calls == [1] and torch.equal(_hidden_states(third.model), expected)
+
+
+def test_no_entry_for_a_load_with_nothing_slow_to_keep(tmp_path, tiny_model_dir):
+    cache = StartupCache(tmp_path)
+    assert load_model(tiny_model_dir, startup_cache=cache).cache_key is None  # the float model
+    assert load_model(tiny_model_dir, quant="int8", startup_cache=cache).cache_key is None  # weight-only
+    assert not any(tmp_path.iterdir())
