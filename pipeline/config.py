@@ -36,6 +36,7 @@ DEFAULT_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
+INPUT_CHANGE_CHOICES = ("fail", "redo")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # Columns the job writes itself; a passthrough column may not take one of these names.
 RESULT_COLUMNS = (
@@ -77,6 +78,9 @@ class OutputConfig:
     # refuse an output that already holds a job.
     mode: str = "resume"
     lease_timeout_s: float = 60.0  # a writer's lease without heartbeat for this long may be taken over
+    # a resume that finds a committed unit's input rows changed: fail (exit 2, naming units and files) or
+    # redo those units (docs/checkpoints.md)
+    on_input_change: str = "fail"
     report: bool = False  # also write report.html and PNG plots of the run's time series (docs/roofline.md, "The run report")
     report_interval_s: float = 5.0  # seconds between samples of the time series in _metrics.json
     allow_ephemeral: bool = False  # allow an output that vanishes with the process (memory://)
@@ -373,6 +377,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         raise JobError("invalid config `output.path`: empty; give a directory or fsspec URL")
     _check_persistent(schema.output)
     _choice("output.mode", schema.output.mode, OUTPUT_MODES)
+    _choice("output.on_input_change", schema.output.on_input_change, INPUT_CHANGE_CHOICES)
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
     _positive("runtime.grace_s", schema.runtime.grace_s)

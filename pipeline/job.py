@@ -31,7 +31,7 @@ from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
 from pipeline.preflight import check_filesystems, check_model_values, check_room
-from pipeline.source.columns import column_specs, id_type
+from pipeline.source.columns import column_specs, id_type, read_columns
 from pipeline.source.files import ParquetSource
 from pipeline.source.prompts import PromptBuilder
 
@@ -242,15 +242,11 @@ class _Run:
 
         Admission ends early when a stop signal arrives (`rows_to_do` stops yielding)."""
         inp = self.cfg.input
-        columns = [c for c in dict.fromkeys([
-            inp.messages_column or inp.prompt_column, self.id_column or "", *inp.passthrough_columns,
-            *inp.sampling_columns,
-        ]) if c]
         seq = 0
         state = self.state
         for unit, position, file, row_index, planned in rows_to_do(
-                self.source, state.plan, state.todo, columns, inp.batch_rows, self.planner,
-                lambda: state.stop.stopping):
+                self.source, state.plan, state.todo, read_columns(self.cfg.resolved["input"]), inp.batch_rows,
+                self.writer.digests, self.planner, lambda: state.stop.stopping):
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
@@ -325,9 +321,12 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
     plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files),
                     window_rows=cfg.plan.window_rows, rows_per_part=cfg.output.rows_per_part)
+    columns, batch_rows = read_columns(cfg.resolved["input"]), cfg.input.batch_rows
     run_state = RunState(cfg.output.path, plan, {**cfg.fingerprint(model_path), "input_content": source.content()},
                          num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
-                         lease_timeout_s=cfg.output.lease_timeout_s, stop=stop, inputs=source.urls())
+                         lease_timeout_s=cfg.output.lease_timeout_s, stop=stop,
+                         read_input=lambda: ((f.name, b) for f, _, b in source.batches(columns, batch_rows)),
+                         on_input_change=cfg.output.on_input_change, inputs=source.urls())
     fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}

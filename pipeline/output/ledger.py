@@ -5,8 +5,9 @@ output appear atomically and records it only afterwards:
 
 1. the unit's Parquet part is written whole under its final name by the sink through `write_whole` (local
    disk: temp file + fsync + rename; object store: one PUT of the final key, visible all at once);
-2. then the ledger record `_progress/<unit>.json` (row count, checksum of the ids, part name and size) is
-   written the same way. **The record is the commit point.**
+2. then the ledger record `_progress/<unit>.json` (row count, checksum of the ids, part name and size, and
+   the digests of the input rows the unit was planned from: pipeline/plan/digests.py) is written the same
+   way. **The record is the commit point.**
 
 A part without a record is an interrupted attempt: it is never read as a result and is overwritten when
 the unit is redone (unit ids, hence part names, are stable). `verify` re-reads every part and checks it
@@ -60,12 +61,15 @@ class CommitRecord:
     ids_sha256: str
     bytes: int
     committed_at: float = field(default=0.0, compare=False)
+    # input file name -> sha256 of its rows in the unit's window; None in records written before row digests
+    input_sha256: dict[str, str] | None = None
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
         try:
             raw = json.loads(data)
-            return cls(**{k: raw[k] for k in ("unit", "part", "rows", "ids_sha256", "bytes", "committed_at")})
+            return cls(**{k: raw[k] for k in ("unit", "part", "rows", "ids_sha256", "bytes", "committed_at")},
+                       input_sha256=raw.get("input_sha256"))
         except (ValueError, KeyError, TypeError) as e:
             raise LedgerError(f"unreadable ledger record {where}: {e}") from None
 
@@ -133,13 +137,15 @@ class Ledger:
     def record_path(self, unit_id: str) -> str:
         return self.path(PROGRESS_DIR, f"{unit_id}.json")
 
-    def commit(self, unit_id: str, part: str, nbytes: int, ids: Sequence[Any]) -> CommitRecord:
+    def commit(self, unit_id: str, part: str, nbytes: int, ids: Sequence[Any],
+               input_sha256: dict[str, str] | None = None) -> CommitRecord:
         """Record a part that was just written whole (`write_whole`): this record is the commit point.
 
-        `ids` are the part's id column, one per row. Re-committing a unit overwrites its record.
+        `ids` are the part's id column, one per row; `input_sha256` the digests of the unit's window
+        (`WindowDigests`). Re-committing a unit overwrites its record.
         """
         record = CommitRecord(unit=unit_id, part=part, rows=len(ids), ids_sha256=ids_checksum(ids),
-                              bytes=nbytes, committed_at=time.time())
+                              bytes=nbytes, committed_at=time.time(), input_sha256=input_sha256)
         write_whole(self.fs, self.record_path(unit_id), json.dumps(asdict(record)).encode(), "ledger")
         return record
 

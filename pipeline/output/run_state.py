@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import pyarrow as pa
 from fsspec.core import url_to_fs
 
 from pipeline.errors import JobError
 from pipeline.output.lease import Lease
-from pipeline.output.ledger import Ledger
+from pipeline.output.ledger import CommitRecord, Ledger
 from pipeline.output.manifest import JOB_FILE, check_not_a_file, make_manifest, prepare_output
 from pipeline.output.signals import GracefulStop
+from pipeline.plan.digests import changed_units, describe_changed
 from pipeline.plan.units import Unit, WorkPlan, resolve_shard
 
 log = logging.getLogger(__name__)
@@ -30,9 +32,13 @@ class RunState:
 
     def __init__(self, output_path: str, plan: WorkPlan, fingerprint: Mapping[str, Any], *,
                  num_shards: int | None, shard_index: int | None, lease_timeout_s: float,
-                 stop: GracefulStop, inputs: Mapping[str, str] | None = None) -> None:
+                 stop: GracefulStop, read_input: Callable[[], Iterable[tuple[str, pa.RecordBatch]]],
+                 on_input_change: str = "fail", inputs: Mapping[str, str] | None = None) -> None:
         """`fingerprint`: what determines the output rows (`JobConfig.fingerprint` and the input content);
-        with the plan's own numbers it makes the manifest a resume must match. `inputs`: input file URLs."""
+        with the plan's own numbers it makes the manifest a resume must match. `read_input`: (file name,
+        batch) of the whole input in listing order, the columns the job reads, for checking committed
+        units against their input rows; `on_input_change`: `fail` or `redo` when they changed.
+        `inputs`: input file URLs."""
         try:
             self.num_shards, self.shard_index = resolve_shard(num_shards, shard_index)
         except ValueError as e:
@@ -42,6 +48,8 @@ class RunState:
         self.fs, self.root = url_to_fs(output_path)
         self.ledger = Ledger(self.fs, self.root)
         self.stop = stop
+        self.read_input = read_input
+        self.on_input_change = on_input_change
         self.lease = Lease(self.fs, self.root, self.num_shards, self.shard_index, timeout_s=lease_timeout_s,
                            on_lost=stop.request_stop)
         self.mine: list[Unit] = []
@@ -69,7 +77,8 @@ class RunState:
             if state == "complete" and len(done) == self.plan.num_units:
                 return "complete"
             self.mine = self.plan.shard_units(self.num_shards, self.shard_index)
-            self.todo = [u for u in self.mine if u.id not in done]
+            changed = self._changed_input({u: done[u.id] for u in self.mine if u.id in done})
+            self.todo = [u for u in self.mine if u.id not in done or u.id in changed]
             # With the whole output leased, every temp file of an interrupted write is ours to delete.
             self.ledger.remove_leftovers((u.id for u in self.todo), everything=self.num_shards == 1)
         except OSError as e:
@@ -83,17 +92,36 @@ class RunState:
                  len(self.todo), self.todo_rows)
         return "run" if self.todo else "idle"
 
-    def _intact_commits(self) -> set[str]:
+    def _intact_commits(self) -> dict[str, CommitRecord]:
         """Committed units whose part is there with its recorded size; a damaged one is uncommitted (and
         `_SUCCESS` withdrawn), so it is redone rather than trusted."""
         records, unreadable = self.ledger.records()
         bad = {**unreadable, **self.ledger.damaged(records)}
+        self._uncommit(bad)
+        return {unit: rec for unit, rec in records.items() if unit not in bad}
+
+    def _changed_input(self, committed: Mapping[Unit, CommitRecord]) -> set[str]:
+        """Committed units of this shard whose input rows changed since they were committed (records without
+        row digests, from before them, are not checked). With `on_input_change=fail` a JobError names them
+        and their files; with `redo` they are uncommitted, to be redone."""
+        recorded = {u: rec.input_sha256 for u, rec in committed.items() if rec.input_sha256 is not None}
+        if recorded:
+            log.info("%schecking the input rows of %d committed units", self.shard_label, len(recorded))
+        changed = changed_units(self.read_input(), self.plan, recorded)
+        if changed and self.on_input_change == "fail":
+            raise JobError(f"input rows changed since they were committed: {describe_changed(changed)}; "
+                           "restore the input, or set output.on_input_change=redo to redo those units")
+        self._uncommit({unit: f"its input rows in {', '.join(files)} changed since it was committed"
+                        for unit, files in changed.items()})
+        return set(changed)
+
+    def _uncommit(self, bad: Mapping[str, str]) -> None:
+        """Drop these units' records (unit -> why, logged) and `_SUCCESS`: they are to do again."""
         for unit, why in sorted(bad.items()):
             log.warning("unit %s is redone: %s", unit, why)
             self.ledger.uncommit(unit)
         if bad:
             self.ledger.withdraw_success()
-        return set(records) - set(bad)
 
     @property
     def todo_rows(self) -> int:

@@ -6,17 +6,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline.errors import JobError
+from pipeline.plan.digests import WindowDigests
 from pipeline.plan.units import Unit, WorkPlan, group_units_by_window
 from pipeline.source.files import ParquetSource, SourceFile
 from pipeline.source.files import batch_rows as rows_of
 
 
 def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns: list[str], batch_rows: int,
-               planner: Callable[[list[dict]], list[tuple[int, Any]]] | None = None,
+               digests: WindowDigests, planner: Callable[[list[dict]], list[tuple[int, Any]]] | None = None,
                stopping: Callable[[], bool] = lambda: False,
                ) -> Iterator[tuple[Unit, int, SourceFile, int, Any]]:
     """(unit, position in unit, input file, row index in file, row) for every row still to do, in
     unit order. Windows with nothing to do are skipped without decoding; one window is held at a time.
+    Every batch read goes to `digests` (`UnitWriter.digests`: the todo windows' digests, which their units
+    record), so a window's digests are known before its first row is yielded.
     Stops early once `stopping()` is true (the unfinished unit is redone on resume).
 
     `planner` (see pipeline/plan/window.py) gets each whole window's rows and returns its planned order
@@ -32,6 +35,7 @@ def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns:
     for file, start, batch in source.batches(columns, batch_rows):
         lo, hi = offset, offset + batch.num_rows
         offset = hi
+        digests.add(file.name, batch)
         if not any(w in by_window for w in range(lo // wr, (hi - 1) // wr + 1)):
             continue
         for i, row in enumerate(rows_of(batch)):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pyarrow as pa
 
 from pipeline.config import JobConfig
@@ -38,6 +41,13 @@ def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
         ColumnSpec(c, "input.sampling_columns", *column_type(c), required=False) for c in inp.sampling_columns
     ]
     return specs
+
+
+def read_columns(inp: Mapping[str, Any]) -> list[str]:
+    """The columns a job reads, in the order its batches carry them (prompt or messages, id, passthrough,
+    sampling; each once). `inp`: the resolved `input` section, as the job and its fingerprint hold it."""
+    return list(dict.fromkeys([inp["messages_column"] or inp["prompt_column"], inp["id_column"],
+                               *inp["passthrough_columns"], *inp["sampling_columns"]]))
 
 
 def id_type(source: ParquetSource, column: str, types: dict[str, pa.DataType]) -> pa.DataType | None:

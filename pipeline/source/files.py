@@ -196,12 +196,19 @@ class ParquetSource:
         Columns a file lacks (optional ones) are simply absent from its batches.
         """
         for file in self.files:
-            present = [c for c in columns if c in file.schema.names]
             start = 0
             try:
-                with self.fs.open(file.path, "rb") as f:
-                    for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=present):
-                        yield file, start, batch
-                        start += batch.num_rows
+                for batch in read_batches(self.fs, file.path, columns, batch_rows):
+                    yield file, start, batch
+                    start += batch.num_rows
             except (OSError, pa.ArrowException) as e:
                 raise JobError(f"cannot read Parquet file {file.name} near row {start}: {e}") from None
+
+
+def read_batches(fs: fsspec.AbstractFileSystem, path: str, columns: Sequence[str],
+                 batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """One file's record batches of those `columns` it has (optional ones may be absent), in that order."""
+    with fs.open(path, "rb") as f:
+        parquet = pq.ParquetFile(f)
+        present = [c for c in columns if c in parquet.schema_arrow.names]
+        yield from parquet.iter_batches(batch_size=batch_rows, columns=present)

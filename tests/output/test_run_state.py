@@ -5,16 +5,19 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from pipeline.errors import JobError
 from pipeline.output.commit import UnitWriter
 from pipeline.output.run_state import RunState
 from pipeline.output.signals import GracefulStop
 from pipeline.output.sink import ParquetSink
+from pipeline.plan.digests import WindowDigests
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, WorkPlan
 from pipeline.source.files import ParquetSource
 from tests.output.jobs import read_output, write_prompts
 
 FP = {"model": {"path": "m"}}
+COLUMNS = ["id", "prompt"]
 
 
 @pytest.fixture
@@ -29,12 +32,14 @@ def source(tmp_path) -> ParquetSource:
 def checkpoint(source, out, stop=None, **kw) -> RunState:
     plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files), window_rows=5,
                     rows_per_part=2)
-    args = {"num_shards": None, "shard_index": None, "lease_timeout_s": 30}
+    args = {"num_shards": None, "shard_index": None, "lease_timeout_s": 30,
+            "read_input": lambda: ((f.name, b) for f, _, b in source.batches(COLUMNS, 3))}
     return RunState(str(out), plan, FP, stop=stop or GracefulStop(10), **{**args, **kw})
 
 
-def rows(state: RunState, source: ParquetSource):
-    return rows_to_do(source, state.plan, state.todo, ["id"], 4, stopping=lambda: state.stop.stopping)
+def rows(state: RunState, source: ParquetSource, digests: WindowDigests | None = None):
+    digests = digests or WindowDigests(state.plan, ())
+    return rows_to_do(source, state.plan, state.todo, COLUMNS, 4, digests, stopping=lambda: state.stop.stopping)
 
 
 def streamed(state: RunState, source: ParquetSource) -> list[tuple[str, int, str, int, int]]:
@@ -59,7 +64,7 @@ def test_committed_units_are_skipped_and_shards_get_their_own(source, tmp_path):
     cp.start("resume")
     sink = ParquetSink(str(out), pa.schema([("id", pa.int64()), ("sample_index", pa.int32())]), {})
     writer = UnitWriter(cp, sink, samples=2)
-    for unit, pos, _, _, row in rows(cp, source):
+    for unit, pos, _, _, row in rows(cp, source, writer.digests):
         if unit.id in ("000001", "000006"):
             for s in (1, 0):  # samples arrive out of order; the part is sorted
                 writer.add(unit, pos, {"id": row["id"], "sample_index": s})
@@ -116,3 +121,50 @@ def test_an_input_that_shrinks_after_listing_is_an_error_not_lost_rows(source, t
     with pytest.raises(JobError, match="the input changed while it was read: 13 rows listed, 8 read"):
         streamed(cp, source)
     cp.close()
+
+
+def commit(state: RunState, source: ParquetSource, units: tuple[str, ...]) -> None:
+    writer = UnitWriter(state, ParquetSink(state.root, pa.schema([("id", pa.int64())]), {}), samples=1)
+    for unit, pos, _, _, row in rows(state, source, writer.digests):
+        if unit.id in units:
+            writer.add(unit, pos, {"id": row["id"]})
+
+
+def test_a_resume_finds_committed_units_whose_input_rows_changed(source, tmp_path, caplog):
+    out = tmp_path / "out"
+    cp = checkpoint(source, out)
+    cp.start("resume")
+    commit(cp, source, ("000001", "000006"))
+    cp.close()
+    # Row 11 (window 2: rows 10-12, unit 6) gets another prompt of the same size.
+    write_prompts(tmp_path / "in" / "c.parquet", [{"id": 7 + i, "prompt": f"q{7 + i}" if i == 4 else f"p{7 + i}"}
+                                                 for i in range(6)])
+    with pytest.raises(JobError, match=r"^input rows changed since they were committed: unit 000006 "
+                                       r"\(c.parquet\); restore the input, or set output.on_input_change=redo"):
+        checkpoint(source, out).start("resume")
+    assert set(cp.ledger.committed()) == {"000001", "000006"}  # nothing dropped
+
+    redo = checkpoint(source, out, on_input_change="redo")
+    assert redo.start("resume") == "run"
+    assert [u.id for u in redo.todo] == ["000000", "000002", "000003", "000004", "000005", "000006", "000007"]
+    assert set(redo.ledger.committed()) == {"000001"}
+    assert "unit 000006 is redone: its input rows in c.parquet changed since it was committed" in caplog.text
+    commit(redo, source, ("000006",))
+    redo.close()
+    again = checkpoint(source, out)
+    again.start("resume")  # the new record holds the new rows' digests
+    assert "000006" not in [u.id for u in again.todo]
+    again.close()
+
+
+def test_records_without_row_digests_are_not_checked(source, tmp_path):
+    out = tmp_path / "out"
+    cp = checkpoint(source, out)
+    cp.start("resume")
+    part = ParquetSink(str(out), pa.schema([("id", pa.int64())]), {}).write_rows("000006", [{"id": 10}, {"id": 11}])
+    cp.ledger.commit("000006", part.name, part.bytes, [10, 11])  # as jobs before row digests wrote them
+    cp.close()
+    write_prompts(tmp_path / "in" / "c.parquet", [{"id": 7 + i, "prompt": f"q{7 + i}"} for i in range(6)])
+    again = checkpoint(source, out)
+    assert again.start("resume") == "run" and "000006" not in [u.id for u in again.todo]
+    again.close()
