@@ -3,7 +3,8 @@
 Why: "every input row exactly once" should be checkable after the fact, without the model and without
 trusting the process that wrote it. The plan (input listing, window and part sizes) is rebuilt from
 `_job.json`, every committed part is re-read and compared with its ledger record (size, row count, ids
-checksum), and every planned unit must be committed with rows x `sampling.n` rows.
+checksum), and every planned unit must be committed with rows x `sampling.n` rows. The input must still
+have the footers the job read and, for units whose records hold row digests, the rows they were made from.
 Exit status: 0 complete and consistent, 1 problems found (listed), 2 not a job output.
 """
 
@@ -11,13 +12,20 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
+import pyarrow as pa
 from fsspec.core import url_to_fs
 
 from pipeline.errors import JobError
 from pipeline.output.ledger import Ledger, VerifyReport
 from pipeline.output.manifest import plan_of, read_manifest
-from pipeline.source.files import footer_digest
+from pipeline.plan.digests import changed_units, describe_changed
+from pipeline.plan.units import WorkPlan
+from pipeline.source.columns import read_columns
+from pipeline.source.files import footer_digest, read_batches
+
+_BATCH_ROWS = 8192  # rows per batch read from an input file (any size gives the same row digests)
 
 
 def verify_output(url: str) -> VerifyReport:
@@ -30,15 +38,18 @@ def verify_output(url: str) -> VerifyReport:
     samples = fp["sampling"].get("n", 1)
     ledger = Ledger(fs, root)
     report = ledger.verify({u.id: u.num_rows * samples for u in plan.units()})
-    check_inputs(manifest, report)
+    if check_inputs(manifest, report):
+        check_input_rows(manifest, plan, ledger, report)
     if report.ok and not ledger.is_complete():
         report.notes.append("all units are committed but _SUCCESS is missing (a shard has not finished)")
     return report
 
 
-def check_inputs(manifest: dict, report: VerifyReport) -> None:
-    """Each input file must still have the content the job read (its footer digest)."""
+def check_inputs(manifest: dict, report: VerifyReport) -> bool:
+    """Each input file must still have the content the job read (its footer digest). Returns whether every
+    input file could be read."""
     urls = manifest.get("inputs", {})
+    readable = True
     for name, digest in sorted(manifest["fingerprint"].get("input_content", {}).items()):
         url = urls.get(name)
         try:
@@ -47,9 +58,35 @@ def check_inputs(manifest: dict, report: VerifyReport) -> None:
                 now = footer_digest(f)
         except (OSError, ValueError, TypeError) as e:
             report.notes.append(f"input {name} not checked: cannot read {url}: {e}")
+            readable = False
             continue
         if now != digest:
             report.errors.append(f"input file {url} changed since the job read it (Parquet footer differs)")
+    return readable
+
+
+def check_input_rows(manifest: dict, plan: WorkPlan, ledger: Ledger, report: VerifyReport) -> None:
+    """Each committed unit with row digests must have been made from the input rows there now."""
+    committed = ledger.committed()
+    recorded = {u: committed[u.id].input_sha256 for u in plan.units()
+                if u.id in committed and committed[u.id].input_sha256 is not None}
+    if not recorded:
+        return
+    urls = manifest["inputs"]
+    columns = read_columns(manifest["fingerprint"]["input"])
+
+    def batches() -> Iterator[tuple[str, pa.RecordBatch]]:
+        for f in plan.files:
+            fs, path = url_to_fs(urls[f.path])
+            yield from ((f.path, b) for b in read_batches(fs, path, columns, _BATCH_ROWS))
+
+    try:
+        changed = changed_units(batches(), plan, recorded)
+    except (OSError, pa.ArrowException) as e:
+        report.notes.append(f"input rows not checked: {e}")
+        return
+    if changed:
+        report.errors.append(f"input rows changed since they were committed: {describe_changed(changed)}")
 
 
 def main(argv: list[str]) -> int:

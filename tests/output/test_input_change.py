@@ -1,5 +1,5 @@
 """Changed input is found: a rewritten footer refuses the resume, edited rows under an unchanged footer fail
-or redo their units (`output.on_input_change`), and `verify` names a changed footer.
+or redo their units (`output.on_input_change`), and `verify` names both.
 
 Before, the fingerprint held input file names, sizes and row counts only, so rewriting the input with the
 same size and row count between a crash and the resume mixed two inputs (ids twice and missing), with
@@ -57,7 +57,9 @@ def test_verify_reports_input_changed_after_the_job(job_runner, args, tmp_path):
     report = verify_output(str(tmp_path / "out"))
     assert not report.ok
     assert report.errors == [f"input file file://{tmp_path}/in.parquet changed since the job read it "
-                             "(Parquet footer differs)"]
+                             "(Parquet footer differs)",
+                             "input rows changed since they were committed: units 000000, 000001, 000002, "
+                             "000003, 000004, 000005 (in.parquet)"]  # one window: every unit's rows
 
 
 def write_unstated(path, edited: int | None = None) -> None:
@@ -115,3 +117,10 @@ def test_resume_over_edited_rows_with_redo_redoes_the_unit(job_runner, unstated,
     assert sum("item b" in r["prompt"] for r in resumed) == 1  # the edited row's new prompt and completion
     assert verify_output(str(tmp_path / "out")).ok
 
+
+def test_verify_reports_the_units_whose_input_rows_changed(job_runner, unstated, tmp_path):
+    rc, log = job_runner.run(unstated)
+    assert rc == 0, log
+    write_unstated(tmp_path / "in.parquet", edited=13)  # row 13: window 1 (rows 8-15), units 2 and 3
+    report = verify_output(str(tmp_path / "out"))
+    assert report.errors == ["input rows changed since they were committed: units 000002, 000003 (in.parquet)"]
