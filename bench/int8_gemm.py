@@ -37,7 +37,7 @@ def main() -> None:
     hw = probe()
     print(f"cpu flags: {cpu_flags()}; threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.1f}; probe: "
           f"int8 {hw.flops['int8'] / 1e9:.0f} GOP/s ({', '.join(f'{k} {v / 1e9:.0f}' for k, v in hw.int8_gemms.items())})")
-    loader.choose_int8_gemm = lambda model: {}  # keep every weight plain: this bench packs its own copies
+    loader.choose_int8_gemm = lambda model, known=None: {}  # keep every weight plain: this bench packs its own copies
     model = loader.load_model(args.model, quant="w8a8", quant_lm_head="int8").model
     parts = int8_parts(model)
     modules = [m for name, ms in parts.items() if args.part in ("all", name) for m in ms]

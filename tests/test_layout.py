@@ -23,7 +23,7 @@ STAGES: list[tuple[str, ...]] = [
     ("pipeline.plan",),
     ("pipeline.output",),
     ("pipeline.perf",),
-    ("pipeline.job",),
+    ("pipeline.job", "pipeline.preflight"),
     ("pipeline.__main__", "pipeline.probe", "pipeline.verify", "pipeline.plan.__main__"),
 ]
 # The engine runs a model it is handed; loading files is the job's (through pipeline.parallel.runner).

@@ -91,18 +91,18 @@ def test_int8_cache_without_the_native_kernel_is_refused(monkeypatch):
         Runner(tiny.model, 8, BLOCK, torch.device("cpu"))
 
 
-def test_auto_narrows_only_quantized_models_on_cpu(monkeypatch):
-    """int8 where the native kernel builds (which int8 needs), else bfloat16; the exact job and CUDA keep
-    the model dtype."""
+def test_auto_narrows_only_for_model_quant_auto_on_cpu(monkeypatch):
+    """With model.quant=auto: int8 where the native kernel builds (which int8 needs), else bfloat16. The exact
+    job, a weight-only or W8A8 scheme named explicitly, and CUDA keep the model dtype."""
     narrow = "int8" if machine_reason() is None else "bfloat16"
-    assert resolve_kv_dtype("auto", "gguf", "float32", "cpu") == narrow
-    assert resolve_kv_dtype("auto", "w8a8", "float32", "cpu") == narrow
-    assert resolve_kv_dtype("auto", "gguf", "bfloat16", "cpu") == narrow
-    assert resolve_kv_dtype("auto", "none", "float32", "cpu") == "float32"  # the exact job stays exact
-    assert resolve_kv_dtype("auto", "int8", "float32", "cuda:0") == "float32"  # the CUDA runner's cache
-    assert resolve_kv_dtype("float32", "gguf", "float32", "cpu") == "float32"
+    assert resolve_kv_dtype("auto", "auto", "float32", "cpu") == narrow
+    assert resolve_kv_dtype("auto", "auto", "bfloat16", "cpu") == narrow
+    for named in ("none", "gguf", "int8", "int4", "w8a8"):
+        assert resolve_kv_dtype("auto", named, "float32", "cpu") == "float32"
+    assert resolve_kv_dtype("auto", "auto", "float32", "cuda:0") == "float32"  # the CUDA runner's cache
+    assert resolve_kv_dtype("int8", "gguf", "float32", "cpu") == "int8"  # asked for
     monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
-    assert resolve_kv_dtype("auto", "gguf", "float32", "cpu") == "bfloat16"
+    assert resolve_kv_dtype("auto", "auto", "float32", "cpu") == "bfloat16"
 
 
 def test_int8_block_copy_takes_the_scales_along():

@@ -36,7 +36,7 @@ BOUND = w8a8_weight_bound(torch.device("cpu"))  # the |int8 weight| this CPU's W
 @pytest.fixture
 def plain_int8_layouts(monkeypatch):
     """Loads keep the W8A8 weights as int8 tensors (not packed for oneDNN, opaque), for tests that read them."""
-    monkeypatch.setattr(loader, "choose_int8_gemm", lambda model: {})
+    monkeypatch.setattr(loader, "choose_int8_gemm", lambda model, known=None: {})
 
 
 def _logits(loaded, ids):
