@@ -7,7 +7,7 @@
     python bench/quant.py --sensitivity        # agreement under known weight perturbations (calibration)
 
 A format is `quant[/group][@rows][+head]:dtype`, e.g. `int4/64:float32`, `gguf@16:float32` (W8A8 for steps of
->= 16 rows, as the job's default model.quant_w8a8_rows), `w8a8+bf16:float32` (LM head kernel: int8, bf16 or
+>= 16 rows: model.quant_w8a8_rows=16), `w8a8+bf16:float32` (LM head kernel: int8, bf16 or
 none), `auto:float32` (resolved from this machine's probe, as model.quant=auto). Weight-only float32 formats
 without @rows compute with dequantized weights (the exact path); bfloat16 ones use torch's CPU weight-only
 kernels where one exists.

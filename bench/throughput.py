@@ -110,7 +110,7 @@ def load_mode(path, dtype: torch.dtype, mode: str, auto_choice, w8a8_rows: int |
     auto, resolved as the job does)."""
     quant, _, kv = mode.partition("/")
     scheme = auto_choice.scheme if quant == "auto" else quant
-    kv_dtype = getattr(torch, resolve_kv_dtype(kv or "auto", scheme, str(dtype).removeprefix("torch."), "cpu"))
+    kv_dtype = getattr(torch, resolve_kv_dtype(kv or "auto", quant, str(dtype).removeprefix("torch."), "cpu"))
     if quant == "none":
         return load_model(path, dtype, kv_dtype=kv_dtype)
     if quant != "auto":
@@ -259,7 +259,8 @@ def main() -> None:
                          "for model.kv_cache_dtype (default: auto, as the job resolves it), +logits for greedy "
                          "steps through the logits and the sampler (the path before the fused greedy head) and "
                          "@N for engine.max_batch_size=N instead of --batch")
-    ap.add_argument("--w8a8-rows", type=int, default=16, help="model.quant_w8a8_rows for int8/int4/gguf")
+    ap.add_argument("--w8a8-rows", type=int, default=None,
+                    help="model.quant_w8a8_rows for int8/int4/gguf (default: none, as the job's)")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every mode and transformers")
     ap.add_argument("--batch", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="engine.max_batch_size (auto: measured before each engine run, not timed; the job's default)")

@@ -400,6 +400,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
     for part, gemm in getattr(loaded.model.kernel_choice, "int8_gemm", {}).items():
         log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, loaded.model.kernel_choice.weight_bound)
+    if cache is not None:
+        log.info("startup cache %s: %d entries read, %d built", cache.root, cache.read, cache.built)
     if getattr(loaded.model, "native_layers", None) is not None:
         log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE_DECODE=off: torch ops)")
 
@@ -470,7 +472,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                   "int8_gemm": dict(getattr(loaded.model.kernel_choice, "int8_gemm", {})),
                   "int8_weight_bound": getattr(loaded.model.kernel_choice, "weight_bound", None),
                   "native_layer_steps": getattr(loaded.model.kernel_choice, "native_layer_steps", 0),
-                  "compiled_layers": bool(getattr(loaded.model, "compiled", False))},
+                  "compiled_layers": bool(getattr(loaded.model, "compiled", False)),
+                  "startup_cache": None if cache is None else cache.as_dict()},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),
         "shard": {"index": run_state.shard_index, "count": run_state.num_shards},

@@ -71,6 +71,10 @@ class StartupCache:
 
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root).expanduser() if root else default_startup_cache_dir()
+        self.read = self.built = 0  # entries this process read, and built (reported in _metrics.json)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dir": str(self.root), "entries_read": self.read, "entries_built": self.built}
 
     def key(self, kind: str, **parts: Any) -> str:
         """A name for an entry of `kind` whose value depends on `parts` (JSON values), this CPU, torch and
@@ -92,11 +96,14 @@ class StartupCache:
         returned. A damaged entry is logged and rebuilt; a folder that cannot be written is logged and
         skipped."""
         try:
-            return self._read(name, load)
+            value = self._read(name, load)
+            self.read += 1
+            return value
         except OSError:  # never written (or not readable): build it
             pass
         except DamagedEntry as e:
             log.warning("startup cache entry %s is damaged (%s): rebuilding it", self.root / name, e)
+        self.built += 1
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             lock = FileLock(str(self.root / f"{name}.lock"))

@@ -360,6 +360,8 @@ def test_a_second_auto_start_reads_what_the_first_derived(tmp_path, tiny_model_d
     finally:
         config.cpp.vec_isa_ok = verdict
     assert second["model"]["quant_auto"] == first["model"]["quant_auto"]
+    assert first["model"]["startup_cache"]["entries_read"] == 0 and first["model"]["startup_cache"]["entries_built"] > 0
+    assert second["model"]["startup_cache"]["entries_built"] == 0
     assert second["model"]["int8_gemm"] == first["model"]["int8_gemm"]
     rows = [pl.read_parquet(tmp_path / out / "*.parquet").sort("id").select("id", "token_ids") for out in ("out1", "out2")]
     assert rows[0].equals(rows[1])
