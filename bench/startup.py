@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 def run_job(out: Path, env: dict[str, str], args: list[str]) -> dict:
     """One `python -m pipeline` run into `out`; its metrics with the command's wall time added."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pipeline", f"output.path={out}", "output.mode=overwrite",
-                           "progress.mode=off", f"hydra.run.dir={out}/.hydra", *args],
+    done = subprocess.run([sys.executable, "-m", "pipeline", f"output.path={out}", "progress.mode=off",
+                           f"hydra.run.dir={out}.hydra", *args],
                           cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if done.returncode != 0:
