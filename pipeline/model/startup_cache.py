@@ -103,7 +103,6 @@ class StartupCache:
             pass
         except DamagedEntry as e:
             log.warning("startup cache entry %s is damaged (%s): rebuilding it", self.root / name, e)
-        self.built += 1
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             lock = FileLock(str(self.root / f"{name}.lock"))
@@ -113,9 +112,12 @@ class StartupCache:
             return build()
         try:
             try:
-                return self._read(name, load)  # another job built it while this one waited
+                value = self._read(name, load)  # another job built it while this one waited
+                self.read += 1
+                return value
             except (OSError, DamagedEntry):
                 pass
+            self.built += 1
             value = build()
             try:
                 self._write(name, value, dump)
