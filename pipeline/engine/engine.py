@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,15 +21,49 @@ from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.constraints import Constraints, constraint_key
 from pipeline.engine.kv_cache import KVCacheManager
 from pipeline.engine.request import Request, Result, SamplingParams
-from pipeline.engine.runner import PromptSpan, Runner, RunnerFactory, build_batch, kv_bytes_per_block
+from pipeline.engine.runner import (
+    PromptSpan,
+    Runner,
+    RunnerFactory,
+    StepBatch,
+    build_batch,
+    kv_bytes_per_block,
+)
 from pipeline.engine.sampler import Allowed, Sampled, sample, verify
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence, Status, sample_seed
 from pipeline.engine.spec_gate import SpeculationGate
 from pipeline.engine.speculative import make_proposer
 from pipeline.engine.stats import EngineStats
-from pipeline.engine.timing import StepClock
+from pipeline.engine.timing import Stamp, StepClock
 from pipeline.model.llama import LlamaModel, cpp_compiler
+
+
+@dataclass
+class _StepRows:
+    """One step's batch and what its logits rows are for: 1 + len(draft) rows per sampler, in order (plain
+    rows sample, speculating rows verify), then the prompt-logprob rows."""
+
+    batch: StepBatch
+    plain: list[tuple[int, Sequence]]  # (logits row, sequence) of each sampler with no guesses
+    checking: list[Sequence]  # the speculating samplers
+    check_rows: list[int]  # their logits rows
+    prompt_spans: list[PromptSpan]
+    constrained: list[int]  # indices into `plain`
+    masks: Future | None  # the constrained rows' token masks, computed beside the forward pass
+    greedy_only: bool  # every row plain greedy: the forward pass returns the argmaxes
+
+    def prompt_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The prompt-logprob rows (after the samplers')."""
+        return logits[len(self.batch.logits_rows) - sum(len(span) for _, span in self.prompt_spans):]
+
+    def plain_logits(self, logits: torch.Tensor, fork_rows: list[int]) -> torch.Tensor:
+        """One row per plain sampler, `fork_rows` giving each one's index in `plain` (forked samples share
+        their parent's row)."""
+        if not (self.checking or len(fork_rows) > len(self.plain) or self.prompt_spans):
+            return logits
+        rows = [self.plain[r][0] for r in fork_rows]
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
 
 
 class Engine:
@@ -198,20 +233,45 @@ class Engine:
     def step(self) -> list[Result]:
         """Run one scheduling step; returns the samples that finished in it."""
         t0 = self._clock.stamp()
-        stats = self.stats
+        work = self._schedule()
+        if not work:
+            return []
+        rows = self._lay_out(work)
+        out, t1, t2 = self._run_model(rows)
+        self._advance(work, rows.batch)
+        if rows.prompt_spans:
+            self._prompt_logprobs(rows.prompt_logits(out), rows.prompt_spans)
+        fork_rows, samplers = self._fork_children([seq for _, seq in rows.plain])
+        t3 = self._clock.stamp()
+        outcomes = self._sample(rows, out, fork_rows, samplers)
+        t4 = self._clock.stamp()
+        finished = []
+        for seq, outcome in zip(samplers + rows.checking, outcomes):
+            if self._emit(seq, outcome):
+                self._finish(seq)
+                finished.append(self._result(seq))
+        self._book(len(work), rows.batch.num_tokens, (t0, t1, t2, t3, t4))
+        return finished
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's (sequence, tokens) work, guesses proposed first; [] when nothing is queued or running."""
         self._propose()
         work = self.scheduler.schedule()
         if not work:
-            if not self.scheduler.has_work():  # idle: nothing queued or running
-                return []
-            raise RuntimeError("scheduler found no work it could run although sequences are waiting")
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler found no work it could run although sequences are waiting")
+            return work
         if self.scheduler.waiting:
-            stats.steady_steps += 1
-            stats.steady_running_sum += len(work)
+            self.stats.steady_steps += 1
+            self.stats.steady_running_sum += len(work)
+        return work
+
+    def _lay_out(self, work: list[tuple[Sequence, int]]) -> _StepRows:
+        """The step's batch and what each logits row is for; the constrained rows' masks start computing
+        here, beside the forward pass."""
         batch, samplers, prompt_spans = build_batch(work, self.config.block_size, self.kv.pending_copies)
         self.kv.pending_copies = []
-        # Logits hold 1 + len(draft) rows per sampler, in order: plain rows sample, speculating rows verify
-        # (constrained rows never speculate: see _propose). Prompt-logprob rows follow them.
+        # constrained rows never speculate (see _propose): they are all plain rows
         plain: list[tuple[int, Sequence]] = []
         checking: list[Sequence] = []
         check_rows: list[int] = []
@@ -229,49 +289,51 @@ class Engine:
         # never writes the [rows, vocab] logits (`QuantLMHead.greedy`).
         greedy_only = not checking and not prompt_spans and all(
             seq.sampling.plain_greedy and not seq.num_children for _, seq in plain)
+        return _StepRows(batch, plain, checking, check_rows, prompt_spans, constrained, masks, greedy_only)
+
+    def _run_model(self, rows: _StepRows) -> tuple[torch.Tensor, Stamp, Stamp]:
+        """The forward pass (the argmaxes when `rows.greedy_only`, else the logits), between the two stamps
+        that time it."""
         t1 = self._clock.stamp()
         attention_before = self.runner.attn.attention_seconds
-        if greedy_only:
-            tokens = self.runner.execute_greedy(batch)
-        else:
-            logits = self.runner.execute(batch)
+        out = self.runner.execute_greedy(rows.batch) if rows.greedy_only else self.runner.execute(rows.batch)
         t2 = self._clock.stamp()
-        stats.attention_time += self.runner.attn.attention_seconds - attention_before
+        self.stats.attention_time += self.runner.attn.attention_seconds - attention_before
+        return out, t1, t2
+
+    def _advance(self, work: list[tuple[Sequence, int]], batch: StepBatch) -> None:
+        """Count the positions the forward pass computed and commit their KV blocks."""
+        stats = self.stats
         for seq, n in work:
             stats.attention_pairs += n * seq.num_computed + n * (n + 1) // 2
             stats.prefill_tokens += max(0, min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed)
             seq.num_computed += n - len(seq.draft)  # guesses count once accepted (see _emit)
             self.kv.commit(seq)
         stats.computed_tokens += batch.num_tokens
-        if prompt_spans:
-            self._prompt_logprobs(logits[len(batch.logits_rows) - sum(len(sp) for _, sp in prompt_spans):],
-                                  prompt_spans)
-        rows, plain_samplers = self._fork_children([seq for _, seq in plain])
-        t3 = self._clock.stamp()
+
+    def _sample(self, rows: _StepRows, out: torch.Tensor, fork_rows: list[int],
+                samplers: list[Sequence]) -> list[Sampled]:
+        """Each sampler's tokens: one per plain sampler (forked samples draw from their parent's row), then
+        the speculating rows' accepted guesses and next token."""
         # copies the sampled ids to the host: the step's one sync (verify's are extra, in speculating steps)
-        if greedy_only:
-            sampled = Sampled(tokens.tolist(), [None] * len(plain_samplers))
+        if rows.greedy_only:
+            sampled = Sampled(out.tolist(), [None] * len(samplers))
         else:
-            if checking or len(rows) > len(plain) or prompt_spans:  # forked samples share their parent's row
-                plain_rows = [plain[r][0] for r in rows]
-                plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long,
-                                                                   device=logits.device))
-            else:
-                plain_logits = logits
-            sampled = sample(plain_logits, plain_samplers, self.eos_token_ids,
-                             self._allowed(plain_samplers, constrained, masks))
+            sampled = sample(rows.plain_logits(out, fork_rows), samplers, self.eos_token_ids,
+                             self._allowed(samplers, rows.constrained, rows.masks))
         outcomes = [Sampled([t], [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
-        if checking:
-            outcomes += verify(logits[check_rows], checking)
-            stats.spec_steps += 1
-        t4 = self._clock.stamp()
-        finished = []
-        for seq, outcome in zip(plain_samplers + checking, outcomes):
-            if self._emit(seq, outcome):
-                self._finish(seq)
-                finished.append(self._result(seq))
+        if rows.checking:
+            outcomes += verify(out[rows.check_rows], rows.checking)
+            self.stats.spec_steps += 1
+        return outcomes
+
+    def _book(self, scheduled: int, num_tokens: int, stamps: tuple[Stamp, ...]) -> None:
+        """The step's counts and times; `stamps`: its start, the forward pass's start and end, sampling's
+        start and end (the rest is host work, counted as scheduling)."""
+        t0, t1, t2, t3, t4 = stamps
+        stats = self.stats
         stats.steps += 1
-        stats.running_sum += len(work)
+        stats.running_sum += scheduled
         stats.preemptions = self.scheduler.preemptions
         stats.held = self.scheduler.held
         stats.evictions = self.kv.evictions
@@ -279,12 +341,11 @@ class Engine:
         model_seconds = self._clock.seconds(t1, t2)
         stats.model_time += model_seconds
         if stats.steps > 1:  # the first step also pays one-time costs (first touch of the KV pools)
-            self.gate.observe_step(batch.num_tokens, model_seconds)
+            self.gate.observe_step(num_tokens, model_seconds)
         stats.sampling_time += self._clock.seconds(t3, t4)
         stats.schedule_time += (t1.wall - t0.wall) + (t3.wall - t2.wall) + (t5.wall - t4.wall)  # host work
         stats.total_time += t5.wall - t0.wall
         self._update_gauges()
-        return finished
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
