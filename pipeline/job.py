@@ -246,7 +246,7 @@ class _Run:
         state = self.state
         for unit, position, file, row_index, planned in rows_to_do(
                 self.source, state.plan, state.todo, read_columns(self.cfg.resolved["input"]), inp.batch_rows,
-                self.writer.digests, self.planner, lambda: state.stop.stopping):
+                self.writer.digests, self.writer.rows, self.planner, lambda: state.stop.stopping):
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}

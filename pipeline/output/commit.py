@@ -8,6 +8,7 @@ from pipeline.output.lease import LeaseHeld
 from pipeline.output.run_state import RunState
 from pipeline.output.sink import ParquetSink
 from pipeline.plan.digests import WindowDigests
+from pipeline.plan.rows import UnitRows
 from pipeline.plan.units import Unit
 
 
@@ -22,9 +23,9 @@ class UnitWriter:
     """Collects each unit's output rows and commits the unit when its last row arrives.
 
     Rows are sorted by (position in the unit's planned order, sample index) before writing, so a part's content does not depend
-    on the order in which the engine finished its rows. `digests` is fed by `rows_to_do` as it reads the
-    windows still to do; a unit's window is read whole before its rows reach the engine, so its digests
-    are there to record when the unit commits.
+    on the order in which the engine finished its rows. `digests` and `rows` are fed by `rows_to_do` as it
+    reads the windows still to do; a unit's window is read whole before its rows reach the engine, so its
+    digests and input rows are there to record when the unit commits.
     """
 
     def __init__(self, state: RunState, sink: ParquetSink, samples: int) -> None:
@@ -32,6 +33,7 @@ class UnitWriter:
         self.sink = sink
         self.samples = samples
         self.digests = WindowDigests(state.plan, {u.window for u in state.todo})
+        self.rows = UnitRows(state.plan, state.fixed)
         self.open: dict[int, _Open] = {}
         self.committed_units = 0
         self.rows_written = 0
@@ -52,7 +54,7 @@ class UnitWriter:
         slot.rows.sort(key=lambda r: (r[0], r[1]))
         rows = [r for _, _, r in slot.rows]
         with self.state.stop.critical():
-            part = self.sink.write_rows(slot.unit.id, rows)
+            part = self.sink.write_rows(slot.unit.id, rows, self.rows.rows.pop(slot.unit.index))
             self.state.ledger.commit(slot.unit.id, part.name, part.bytes, [r["id"] for r in rows],
                                      self.digests.done[slot.unit.window])
         self.committed_units += 1

@@ -39,6 +39,9 @@ PART_PREFIX = "part-"
 _TEMP_NAME = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # `write_whole`'s temp files
 PROGRESS_DIR = "_progress"
 SUCCESS_FILE = "_SUCCESS"
+# A part's key-value metadata: the input rows it holds (JSON list, in part order, each one's index in the
+# whole input in listing order), so a later run knows them even when the planned order has changed since.
+INPUT_ROWS_KEY = "pipeline.input_rows"
 
 
 def part_name(unit_id: str) -> str:
@@ -192,6 +195,19 @@ class Ledger:
                 out[unit] = f"part {rec.part} has {sizes[rec.part]} bytes, its ledger record says {rec.bytes}"
         return out
 
+    def read_part(self, part: str, columns: Sequence[str] | None = None) -> tuple[pa.Table, list[int] | None]:
+        """A part's rows (only `columns`; `[]` reads the footer alone) and the input rows it holds (None
+        for a part written before parts recorded them)."""
+        try:
+            # One thread, no dataset layer: fewer Arrow pool tasks left holding this Python file (see
+            # pipeline.verify's exit).
+            with self.fs.open(self.path(part), "rb") as f:
+                table = pq.ParquetFile(f).read(columns=columns, use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            raise LedgerError(f"part {part} is unreadable: {e} (delete it to have its unit redone)") from None
+        rows = (table.schema.metadata or {}).get(INPUT_ROWS_KEY.encode())
+        return table, None if rows is None else json.loads(rows)
+
     def withdraw_success(self) -> None:
         if self.is_complete():
             self.fs.rm(self.path(SUCCESS_FILE))
@@ -245,12 +261,9 @@ class Ledger:
                 report.errors.append(f"unit {unit}: part {rec.part} has {size} bytes, ledger says {rec.bytes}")
                 continue
             try:
-                # One thread, no dataset layer: fewer Arrow pool tasks left holding this Python file (see
-                # pipeline.verify's exit).
-                with self.fs.open(path, "rb") as f:
-                    ids = pq.ParquetFile(f).read(columns=[id_column], use_threads=False).column(id_column).to_pylist()
-            except (pa.ArrowException, OSError) as e:
-                report.errors.append(f"unit {unit}: part {rec.part} is unreadable: {e}")
+                ids = self.read_part(rec.part, [id_column])[0].column(id_column).to_pylist()
+            except LedgerError as e:
+                report.errors.append(f"unit {unit}: {e}")
                 continue
             if len(ids) != rec.rows:
                 report.errors.append(f"unit {unit}: part {rec.part} has {len(ids)} rows, ledger says {rec.rows}")

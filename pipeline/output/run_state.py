@@ -18,7 +18,7 @@ from fsspec.core import url_to_fs
 
 from pipeline.errors import JobError
 from pipeline.output.lease import Lease
-from pipeline.output.ledger import CommitRecord, Ledger
+from pipeline.output.ledger import CommitRecord, Ledger, LedgerError
 from pipeline.output.manifest import JOB_FILE, check_not_a_file, make_manifest, prepare_output
 from pipeline.output.signals import GracefulStop
 from pipeline.plan.digests import changed_units, describe_changed
@@ -54,6 +54,7 @@ class RunState:
                            on_lost=stop.request_stop)
         self.mine: list[Unit] = []
         self.todo: list[Unit] = []
+        self.fixed: dict[int, list[int]] = {}  # unit index -> input rows, of committed units (`UnitRows`)
         self.fresh = False  # this run wrote the manifest
 
     @property
@@ -79,9 +80,10 @@ class RunState:
             self.mine = self.plan.shard_units(self.num_shards, self.shard_index)
             changed = self._changed_input({u: done[u.id] for u in self.mine if u.id in done})
             self.todo = [u for u in self.mine if u.id not in done or u.id in changed]
+            self._fix_rows({unit: rec for unit, rec in done.items() if unit not in changed})
             # With the whole output leased, every temp file of an interrupted write is ours to delete.
             self.ledger.remove_leftovers((u.id for u in self.todo), everything=self.num_shards == 1)
-        except OSError as e:
+        except (OSError, LedgerError) as e:  # LedgerError: a part that cannot be read
             self.lease.release()
             raise JobError(f"cannot use output.path {self.root}: {e}") from None
         except BaseException:
@@ -114,6 +116,17 @@ class RunState:
         self._uncommit({unit: f"its input rows in {', '.join(files)} changed since it was committed"
                         for unit, files in changed.items()})
         return set(changed)
+
+    def _fix_rows(self, committed: Mapping[str, CommitRecord]) -> None:
+        """The input rows of the committed units (of any shard) sharing a window with a unit to cut from the
+        planned order, from their parts' footers (`UnitRows`). A part written before parts recorded them
+        gives none: its unit is cut from the planned order, as it was then."""
+        for window in {u.window for u in self.todo}:
+            for unit in self.plan.window_units(window):
+                if unit.id in committed and unit.index not in self.fixed:
+                    rows = self.ledger.read_part(committed[unit.id].part, [])[1]
+                    if rows is not None:
+                        self.fixed[unit.index] = rows
 
     def _uncommit(self, bad: Mapping[str, str]) -> None:
         """Drop these units' records (unit -> why, logged) and `_SUCCESS`: they are to do again."""

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from pipeline.output.ledger import part_name, write_whole
+from pipeline.output.ledger import INPUT_ROWS_KEY, part_name, write_whole
 
 # Only part files have visible names: dataset readers (pyarrow.dataset, polars, Spark, `datasets`) skip
 # names starting with "_" or ".", so everything else the job writes is named that way.
@@ -86,17 +86,20 @@ class ParquetSink:
         self.schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
         self.compression = compression
 
-    def write_part(self, unit_id: str, table: pa.Table) -> PartInfo:
-        """Write `table` (cast to the output schema) whole as this unit's part file."""
+    def write_part(self, unit_id: str, table: pa.Table, input_rows: list[int]) -> PartInfo:
+        """Write `table` (cast to the output schema) whole as this unit's part file; `input_rows`: the input
+        row of each of its input rows (`INPUT_ROWS_KEY`)."""
+        table = table.cast(self.schema)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), INPUT_ROWS_KEY: json.dumps(input_rows)})
         buf = pa.BufferOutputStream()
-        pq.write_table(table.cast(self.schema), buf, compression=self.compression)
+        pq.write_table(table, buf, compression=self.compression)
         data = buf.getvalue().to_pybytes()
         name = part_name(unit_id)
         self._put(name, data, "part")
         return PartInfo(unit_id, name, table.num_rows, len(data))
 
-    def write_rows(self, unit_id: str, rows: list[dict[str, Any]]) -> PartInfo:
-        return self.write_part(unit_id, pa.Table.from_pylist(rows, schema=self.schema))
+    def write_rows(self, unit_id: str, rows: list[dict[str, Any]], input_rows: list[int]) -> PartInfo:
+        return self.write_part(unit_id, pa.Table.from_pylist(rows, schema=self.schema), input_rows)
 
     def finish(self, metrics: Mapping[str, Any], name: str = METRICS_FILE) -> None:
         """Write the run's metrics (`_SUCCESS` is the ledger's: only when every unit is committed)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pipeline.errors import JobError
@@ -12,14 +13,40 @@ from pipeline.source.files import ParquetSource, SourceFile
 from pipeline.source.files import batch_rows as rows_of
 
 
+class UnitRows:
+    """The input rows of each unit to do (each one's index in the whole input, in part order).
+
+    Why: a unit is cut from its window's planned order, which depends on the rows' prompts as this run
+    prepares them: a row that failed (no prompt; error rows sort first) and now runs sorts elsewhere. So a
+    committed unit keeps the rows its part records (`fixed`), and the window's other units share the rest in
+    the planned order: every row is in exactly one unit, whatever changed since. Without a change the cut
+    is the plain one. `UnitWriter` takes each unit's rows when it commits the unit.
+    """
+
+    def __init__(self, plan: WorkPlan, fixed: Mapping[int, list[int]]) -> None:
+        self.plan = plan
+        self.fixed = fixed  # unit index -> input rows, of committed units sharing a window with work to do
+        self.rows: dict[int, list[int]] = {}  # unit index -> input rows, of the units to do cut so far
+
+    def cut(self, window: int, order: list[int], todo: list[Unit]) -> None:
+        """Record the rows of `window`'s units to do, given its planned order (input row indexes)."""
+        units = self.plan.window_units(window)
+        taken = {i for u in units for i in self.fixed.get(u.index, ())}
+        free = iter([i for i in order if i not in taken])
+        rows = {u.index: self.fixed.get(u.index) or list(itertools.islice(free, u.num_rows)) for u in units}
+        self.rows.update((u.index, rows[u.index]) for u in todo)
+
+
 def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns: list[str], batch_rows: int,
-               digests: WindowDigests, planner: Callable[[list[dict]], list[tuple[int, Any]]] | None = None,
+               digests: WindowDigests, unit_rows: UnitRows,
+               planner: Callable[[list[dict]], list[tuple[int, Any]]] | None = None,
                stopping: Callable[[], bool] = lambda: False,
                ) -> Iterator[tuple[Unit, int, SourceFile, int, Any]]:
     """(unit, position in unit, input file, row index in file, row) for every row still to do, in
     unit order. Windows with nothing to do are skipped without decoding; one window is held at a time.
     Every batch read goes to `digests` (`UnitWriter.digests`: the todo windows' digests, which their units
-    record), so a window's digests are known before its first row is yielded.
+    record), so a window's digests are known before its first row is yielded. `unit_rows` says which rows
+    each unit holds (`UnitWriter.rows`).
     Stops early once `stopping()` is true (the unfinished unit is redone on resume).
 
     `planner` (see pipeline/plan/window.py) gets each whole window's rows and returns its planned order
@@ -45,13 +72,17 @@ def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns:
             window.append((file, start + i, row))
             w = g // wr
             if len(window) == plan.window_size(w):
-                if planner is not None:
-                    window = [(*window[i][:2], item) for i, item in planner([r for _, _, r in window])]
+                planned = planner([r for _, _, r in window]) if planner is not None else list(
+                    enumerate(r for _, _, r in window))
+                unit_rows.cut(w, [w * wr + j for j, _ in planned], by_window[w])
+                items = dict(planned)
                 for unit in by_window[w]:
-                    for pos in range(unit.start, unit.stop):
+                    rows = unit_rows.rows[unit.index]
+                    for pos in range(unit.num_rows):
                         if stopping():
                             return
-                        yield (unit, pos - unit.start, *window[pos])
+                        k = rows[pos] - w * wr
+                        yield unit, pos, window[k][0], window[k][1], items[k]
                 window = []
                 if w == last:
                     return

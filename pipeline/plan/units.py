@@ -87,12 +87,14 @@ class WorkPlan:
         return full * math.ceil(self.window_rows / self.rows_per_part) + self.units_per_window(full)
 
     def units(self) -> Iterator[Unit]:
-        index = 0
         for window in range(self.num_windows):
-            size = self.window_size(window)
-            for start in range(0, size, self.rows_per_part):
-                yield Unit(index, window, start, min(start + self.rows_per_part, size))
-                index += 1
+            yield from self.window_units(window)
+
+    def window_units(self, window: int) -> list[Unit]:
+        """The units of one window (every window before it is full, so their indexes are arithmetic)."""
+        size, per = self.window_size(window), self.rows_per_part
+        first = window * math.ceil(self.window_rows / per)
+        return [Unit(first + k, window, start, min(start + per, size)) for k, start in enumerate(range(0, size, per))]
 
     def shard_units(self, num_shards: int, shard_index: int) -> list[Unit]:
         """Contiguous, balanced range of units for one shard; the union over all shards is every unit once."""

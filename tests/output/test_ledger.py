@@ -22,7 +22,7 @@ SCHEMA = pa.schema([("id", pa.int64()), ("text", pa.string())])
 def commit(ledger: Ledger, unit: str, ids: list[int]):
     """What the job does: the sink writes the part whole, then the ledger records it."""
     part = ParquetSink(f"{ledger.fs.unstrip_protocol(ledger.root)}", SCHEMA, {}).write_rows(
-        unit, [{"id": i, "text": f"t{i}"} for i in ids])
+        unit, [{"id": i, "text": f"t{i}"} for i in ids], list(range(len(ids))))
     return ledger.commit(unit, part.name, part.bytes, ids)
 
 

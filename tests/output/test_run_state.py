@@ -11,13 +11,14 @@ from pipeline.output.run_state import RunState
 from pipeline.output.signals import GracefulStop
 from pipeline.output.sink import ParquetSink
 from pipeline.plan.digests import WindowDigests
-from pipeline.plan.rows import rows_to_do
+from pipeline.plan.rows import UnitRows, rows_to_do
 from pipeline.plan.units import InputFile, WorkPlan
 from pipeline.source.files import ParquetSource
 from tests.output.jobs import read_output, write_prompts
 
 FP = {"model": {"path": "m"}}
 COLUMNS = ["id", "prompt"]
+SCHEMA = pa.schema([("id", pa.int64()), ("sample_index", pa.int32())])
 
 
 @pytest.fixture
@@ -37,9 +38,12 @@ def checkpoint(source, out, stop=None, **kw) -> RunState:
     return RunState(str(out), plan, FP, stop=stop or GracefulStop(10), **{**args, **kw})
 
 
-def rows(state: RunState, source: ParquetSource, digests: WindowDigests | None = None):
-    digests = digests or WindowDigests(state.plan, ())
-    return rows_to_do(source, state.plan, state.todo, COLUMNS, 4, digests, stopping=lambda: state.stop.stopping)
+def rows(state: RunState, source: ParquetSource, writer: UnitWriter | None = None):
+    """The rows to do, feeding `writer` (a stand-in without one)."""
+    digests, unit_rows = ((writer.digests, writer.rows) if writer else
+                          (WindowDigests(state.plan, ()), UnitRows(state.plan, state.fixed)))
+    return rows_to_do(source, state.plan, state.todo, COLUMNS, 4, digests, unit_rows,
+                      stopping=lambda: state.stop.stopping)
 
 
 def streamed(state: RunState, source: ParquetSource) -> list[tuple[str, int, str, int, int]]:
@@ -64,7 +68,7 @@ def test_committed_units_are_skipped_and_shards_get_their_own(source, tmp_path):
     cp.start("resume")
     sink = ParquetSink(str(out), pa.schema([("id", pa.int64()), ("sample_index", pa.int32())]), {})
     writer = UnitWriter(cp, sink, samples=2)
-    for unit, pos, _, _, row in rows(cp, source, writer.digests):
+    for unit, pos, _, _, row in rows(cp, source, writer):
         if unit.id in ("000001", "000006"):
             for s in (1, 0):  # samples arrive out of order; the part is sorted
                 writer.add(unit, pos, {"id": row["id"], "sample_index": s})
@@ -105,7 +109,7 @@ def test_a_lost_lease_refuses_to_commit(source, tmp_path):
     cp.start("resume")
     writer = UnitWriter(cp, ParquetSink(str(out), pa.schema([("id", pa.int64())]), {}), samples=1)
     cp.lease.lost = "lease taken over by host x"
-    unit, pos, _, _, row = next(rows(cp, source))
+    unit, pos, _, _, row = next(rows(cp, source, writer))
     writer.add(unit, pos, {"id": row["id"]})
     with pytest.raises(LeaseHeld, match="not committing unit 000000: lease taken over"):
         writer.add(unit, pos + 1, {"id": 1})
@@ -125,7 +129,7 @@ def test_an_input_that_shrinks_after_listing_is_an_error_not_lost_rows(source, t
 
 def commit(state: RunState, source: ParquetSource, units: tuple[str, ...]) -> None:
     writer = UnitWriter(state, ParquetSink(state.root, pa.schema([("id", pa.int64())]), {}), samples=1)
-    for unit, pos, _, _, row in rows(state, source, writer.digests):
+    for unit, pos, _, _, row in rows(state, source, writer):
         if unit.id in units:
             writer.add(unit, pos, {"id": row["id"]})
 
@@ -161,10 +165,43 @@ def test_records_without_row_digests_are_not_checked(source, tmp_path):
     out = tmp_path / "out"
     cp = checkpoint(source, out)
     cp.start("resume")
-    part = ParquetSink(str(out), pa.schema([("id", pa.int64())]), {}).write_rows("000006", [{"id": 10}, {"id": 11}])
+    part = ParquetSink(str(out), pa.schema([("id", pa.int64())]), {}).write_rows("000006", [{"id": 10}, {"id": 11}],
+                                                                                  [10, 11])
     cp.ledger.commit("000006", part.name, part.bytes, [10, 11])  # as jobs before row digests wrote them
     cp.close()
     write_prompts(tmp_path / "in" / "c.parquet", [{"id": 7 + i, "prompt": f"q{7 + i}"} for i in range(6)])
     again = checkpoint(source, out)
     assert again.start("resume") == "run" and "000006" not in [u.id for u in again.todo]
     again.close()
+
+
+def test_unit_rows_keep_committed_rows_and_share_the_rest_in_planned_order():
+    plan = WorkPlan((InputFile("a", 1, 5),), window_rows=5, rows_per_part=2)  # units [0, 2), [2, 4), [4, 5)
+    units = plan.window_units(0)
+    plain = UnitRows(plan, {0: [0, 1]})
+    plain.cut(0, [0, 1, 2, 3, 4], units[1:])
+    assert plain.rows == {1: [2, 3], 2: [4]}  # the order unit 0 was cut from: the plain cut
+    moved = UnitRows(plan, {0: [4, 1]})  # unit 0 was cut from an order that has changed since
+    moved.cut(0, [0, 1, 2, 3, 4], units[1:])
+    assert moved.rows == {1: [0, 2], 2: [3]}
+
+
+def test_units_keep_their_rows_when_the_planned_order_changes(source, tmp_path):
+    """A row that failed and runs now sorts elsewhere, so the planned order of a resume may differ from the
+    one committed units were cut from: every row still lands in exactly one unit."""
+    out = tmp_path / "out"
+
+    def run(planner, units=None) -> None:
+        cp = checkpoint(source, out)
+        cp.start("resume")
+        writer = UnitWriter(cp, ParquetSink(str(out), SCHEMA, {}), samples=1)
+        for unit, pos, _, _, row in rows_to_do(source, cp.plan, cp.todo, COLUMNS, 4, writer.digests, writer.rows,
+                                               planner):
+            if units is None or unit.id in units:
+                writer.add(unit, pos, {"id": row["id"], "sample_index": 0})
+        cp.close()
+
+    run(lambda rows: list(enumerate(rows))[::-1], units=("000000", "000004"))  # ids 4, 3 and 7, 6
+    run(lambda rows: list(enumerate(rows)))
+    assert sorted(r["id"] for r in read_output(str(out))) == list(range(13))
+

@@ -36,12 +36,13 @@ def test_result_schema_columns_and_types():
 
 def test_write_part_is_zstd_parquet_with_metadata(tmp_path):
     sink = sink_at(str(tmp_path / "out"))
-    info = sink.write_rows("00003", [row(1), row(2)])
+    info = sink.write_rows("00003", [row(1), row(2)], [7, 4])
     path = tmp_path / "out" / "part-00003.parquet"
     assert info.name == "part-00003.parquet" and info.rows == 2 and info.bytes == path.stat().st_size
     meta = pq.read_metadata(path)
     assert meta.row_group(0).column(0).compression == "ZSTD"
-    assert {k.decode(): v.decode() for k, v in meta.metadata.items() if k.startswith(b"pipeline.")} == META
+    assert {k.decode(): v.decode() for k, v in meta.metadata.items() if k.startswith(b"pipeline.")} == {
+        **META, "pipeline.input_rows": "[7, 4]"}  # the input row of each row
     assert pq.read_table(path).to_pylist() == [row(1), row(2)]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["part-00003.parquet"]  # no temp files
 
@@ -59,7 +60,7 @@ def test_finish_writes_metrics(tmp_path):
 def test_wrong_row_types_are_not_written(tmp_path):
     sink = sink_at(str(tmp_path))
     with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError)):
-        sink.write_rows("0", [row(1, id="not an int")])
+        sink.write_rows("0", [row(1, id="not an int")], [0])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -67,7 +68,7 @@ def test_memory_filesystem_round_trip():
     fs = fsspec.filesystem("memory")
     try:
         sink = sink_at("memory://sinktest/out", token_ids=False)
-        sink.write_rows("00000", [row(1)])
+        sink.write_rows("00000", [row(1)], [0])
         sink.finish({"rows": 1})
         assert sorted(fs.ls("/sinktest/out", detail=False)) == [
             "/sinktest/out/_metrics.json", "/sinktest/out/part-00000.parquet"]
