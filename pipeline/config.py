@@ -81,6 +81,8 @@ class OutputConfig:
     # a resume that finds a committed unit's input rows changed: fail (exit 2, naming units and files) or
     # redo those units (docs/checkpoints.md)
     on_input_change: str = "fail"
+    # redo the error rows (`error` not null) of committed units, rewriting their parts (docs/checkpoints.md)
+    retry_errors: bool = False
     report: bool = False  # also write report.html and PNG plots of the run's time series (docs/roofline.md, "The run report")
     report_interval_s: float = 5.0  # seconds between samples of the time series in _metrics.json
     allow_ephemeral: bool = False  # allow an output that vanishes with the process (memory://)

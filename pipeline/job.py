@@ -326,7 +326,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                          num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
                          lease_timeout_s=cfg.output.lease_timeout_s, stop=stop,
                          read_input=lambda: ((f.name, b) for f, _, b in source.batches(columns, batch_rows)),
-                         on_input_change=cfg.output.on_input_change, inputs=source.urls())
+                         on_input_change=cfg.output.on_input_change, inputs=source.urls(),
+                         retry_errors=cfg.output.retry_errors)
     fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
@@ -433,6 +434,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "rows": state.rows,
         "output_rows": writer.rows_written,
         "error_rows": state.error_rows,
+        "retried_error_rows": run_state.retry_rows,
         "prompt_tokens": stats.prompt_tokens,
         "cached_tokens": stats.cached_tokens,
         "computed_prompt_tokens": stats.prefill_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.output.lease import LeaseHeld
+from pipeline.output.ledger import part_name
 from pipeline.output.run_state import RunState
 from pipeline.output.sink import ParquetSink
 from pipeline.plan.digests import WindowDigests
@@ -25,7 +26,8 @@ class UnitWriter:
     Rows are sorted by (position in the unit's planned order, sample index) before writing, so a part's content does not depend
     on the order in which the engine finished its rows. `digests` and `rows` are fed by `rows_to_do` as it
     reads the windows still to do; a unit's window is read whole before its rows reach the engine, so its
-    digests and input rows are there to record when the unit commits.
+    digests and input rows are there to record when the unit commits. A unit whose error rows are redone
+    (`RunState.retry`) starts with the other rows of its part, as they are.
     """
 
     def __init__(self, state: RunState, sink: ParquetSink, samples: int) -> None:
@@ -33,7 +35,7 @@ class UnitWriter:
         self.sink = sink
         self.samples = samples
         self.digests = WindowDigests(state.plan, {u.window for u in state.todo})
-        self.rows = UnitRows(state.plan, state.fixed)
+        self.rows = UnitRows(state.plan, state.fixed, state.retry)
         self.open: dict[int, _Open] = {}
         self.committed_units = 0
         self.rows_written = 0
@@ -41,11 +43,21 @@ class UnitWriter:
     def add(self, unit: Unit, position: int, row: dict) -> None:
         slot = self.open.get(unit.index)
         if slot is None:
-            slot = self.open[unit.index] = _Open(unit, unit.num_rows * self.samples)
+            slot = self.open[unit.index] = self._open_unit(unit)
         slot.rows.append((position, row.get("sample_index", 0), row))
         if len(slot.rows) == slot.expected:
             del self.open[unit.index]
             self._commit(slot)
+
+    def _open_unit(self, unit: Unit) -> _Open:
+        slot = _Open(unit, unit.num_rows * self.samples)
+        redo = self.state.retry.get(unit.index)
+        if redo is not None:  # keep the rows that did not fail, read from the part again
+            table, _ = self.state.ledger.read_part(part_name(unit.id))
+            positions = set(redo)
+            slot.rows = [(j // self.samples, row.get("sample_index", 0), row) for j, row in enumerate(table.to_pylist())
+                         if j // self.samples not in positions]
+        return slot
 
     def _commit(self, slot: _Open) -> None:
         lease = self.state.lease

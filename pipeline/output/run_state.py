@@ -33,12 +33,13 @@ class RunState:
     def __init__(self, output_path: str, plan: WorkPlan, fingerprint: Mapping[str, Any], *,
                  num_shards: int | None, shard_index: int | None, lease_timeout_s: float,
                  stop: GracefulStop, read_input: Callable[[], Iterable[tuple[str, pa.RecordBatch]]],
-                 on_input_change: str = "fail", inputs: Mapping[str, str] | None = None) -> None:
+                 on_input_change: str = "fail", inputs: Mapping[str, str] | None = None,
+                 retry_errors: bool = False) -> None:
         """`fingerprint`: what determines the output rows (`JobConfig.fingerprint` and the input content);
         with the plan's own numbers it makes the manifest a resume must match. `read_input`: (file name,
         batch) of the whole input in listing order, the columns the job reads, for checking committed
         units against their input rows; `on_input_change`: `fail` or `redo` when they changed.
-        `inputs`: input file URLs."""
+        `inputs`: input file URLs; `retry_errors`: redo the error rows of committed units too."""
         try:
             self.num_shards, self.shard_index = resolve_shard(num_shards, shard_index)
         except ValueError as e:
@@ -50,11 +51,13 @@ class RunState:
         self.stop = stop
         self.read_input = read_input
         self.on_input_change = on_input_change
+        self.retry_errors = retry_errors
         self.lease = Lease(self.fs, self.root, self.num_shards, self.shard_index, timeout_s=lease_timeout_s,
                            on_lost=stop.request_stop)
         self.mine: list[Unit] = []
         self.todo: list[Unit] = []
         self.fixed: dict[int, list[int]] = {}  # unit index -> input rows, of committed units (`UnitRows`)
+        self.retry: dict[int, list[int]] = {}  # unit index -> positions of its error rows to redo
         self.fresh = False  # this run wrote the manifest
 
     @property
@@ -75,12 +78,15 @@ class RunState:
             state = prepare_output(self.fs, self.root, self.manifest, mode, self.num_shards)
             self.fresh = state == "fresh"
             done = self._intact_commits()
-            if state == "complete" and len(done) == self.plan.num_units:
+            if state == "complete" and len(done) == self.plan.num_units and not self.retry_errors:
                 return "complete"
             self.mine = self.plan.shard_units(self.num_shards, self.shard_index)
             changed = self._changed_input({u: done[u.id] for u in self.mine if u.id in done})
             self.todo = [u for u in self.mine if u.id not in done or u.id in changed]
-            self._fix_rows({unit: rec for unit, rec in done.items() if unit not in changed})
+            intact = {unit: rec for unit, rec in done.items() if unit not in changed}
+            if self.retry_errors:
+                self._find_errors({u: intact[u.id] for u in self.mine if u.id in intact})
+            self._fix_rows(intact)
             # With the whole output leased, every temp file of an interrupted write is ours to delete.
             self.ledger.remove_leftovers((u.id for u in self.todo), everything=self.num_shards == 1)
         except (OSError, LedgerError) as e:  # LedgerError: a part that cannot be read
@@ -117,11 +123,32 @@ class RunState:
                         for unit, files in changed.items()})
         return set(changed)
 
+    def _find_errors(self, committed: Mapping[Unit, CommitRecord]) -> None:
+        """`output.retry_errors`: this shard's committed units whose parts hold error rows (`error` not null)
+        are to do again, those input rows only: `retry` gets their positions, `fixed` the part's input rows.
+        A part written before parts recorded their input rows cannot say which input rows failed: it stays."""
+        found = 0
+        for unit, rec in committed.items():
+            table, input_rows = self.ledger.read_part(rec.part, ["error"])
+            samples = table.num_rows // unit.num_rows
+            failed = sorted({j // samples for j, e in enumerate(table.column("error").to_pylist()) if e is not None})
+            found += len(failed)
+            if failed and input_rows is None:
+                log.warning("unit %s: its %d error rows are not retried: part %s was written before parts "
+                            "recorded their input rows", unit.id, len(failed), rec.part)
+            elif failed:
+                self.retry[unit.index], self.fixed[unit.index] = failed, input_rows
+        log.info("%soutput.retry_errors: %d error rows found in %d committed units; %d are retried",
+                 self.shard_label, found, len(committed), self.retry_rows)
+        if self.retry:
+            self.todo = sorted([*self.todo, *(u for u in committed if u.index in self.retry)], key=lambda u: u.index)
+            self.ledger.withdraw_success()  # back when every unit is committed again
+
     def _fix_rows(self, committed: Mapping[str, CommitRecord]) -> None:
         """The input rows of the committed units (of any shard) sharing a window with a unit to cut from the
         planned order, from their parts' footers (`UnitRows`). A part written before parts recorded them
         gives none: its unit is cut from the planned order, as it was then."""
-        for window in {u.window for u in self.todo}:
+        for window in {u.window for u in self.todo if u.index not in self.retry}:
             for unit in self.plan.window_units(window):
                 if unit.id in committed and unit.index not in self.fixed:
                     rows = self.ledger.read_part(committed[unit.id].part, [])[1]
@@ -138,7 +165,12 @@ class RunState:
 
     @property
     def todo_rows(self) -> int:
-        return sum(u.num_rows for u in self.todo)
+        return sum(u.num_rows for u in self.todo if u.index not in self.retry) + self.retry_rows
+
+    @property
+    def retry_rows(self) -> int:
+        """Input rows of committed units this run runs again (`output.retry_errors`)."""
+        return sum(len(positions) for positions in self.retry.values())
 
     def finish(self) -> bool:
         """After this shard's units are all committed: write `_SUCCESS` if every shard's are."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from pipeline.errors import JobError
@@ -14,18 +14,21 @@ from pipeline.source.files import batch_rows as rows_of
 
 
 class UnitRows:
-    """The input rows of each unit to do (each one's index in the whole input, in part order).
+    """The input rows of each unit to do (each one's index in the whole input, in part order), and which of
+    them to run.
 
     Why: a unit is cut from its window's planned order, which depends on the rows' prompts as this run
     prepares them: a row that failed (no prompt; error rows sort first) and now runs sorts elsewhere. So a
     committed unit keeps the rows its part records (`fixed`), and the window's other units share the rest in
     the planned order: every row is in exactly one unit, whatever changed since. Without a change the cut
-    is the plain one. `UnitWriter` takes each unit's rows when it commits the unit.
+    is the plain one. `retry`: the positions of a unit's rows to run again (`output.retry_errors`); the
+    others stay as its part has them. `UnitWriter` takes each unit's rows when it commits the unit.
     """
 
-    def __init__(self, plan: WorkPlan, fixed: Mapping[int, list[int]]) -> None:
+    def __init__(self, plan: WorkPlan, fixed: Mapping[int, list[int]], retry: Mapping[int, list[int]]) -> None:
         self.plan = plan
         self.fixed = fixed  # unit index -> input rows, of committed units sharing a window with work to do
+        self.retry = retry
         self.rows: dict[int, list[int]] = {}  # unit index -> input rows, of the units to do cut so far
 
     def cut(self, window: int, order: list[int], todo: list[Unit]) -> None:
@@ -35,6 +38,10 @@ class UnitRows:
         free = iter([i for i in order if i not in taken])
         rows = {u.index: self.fixed.get(u.index) or list(itertools.islice(free, u.num_rows)) for u in units}
         self.rows.update((u.index, rows[u.index]) for u in todo)
+
+    def positions(self, unit: Unit) -> Iterable[int]:
+        """The positions of `unit`'s rows to run: all, or only those to retry."""
+        return self.retry.get(unit.index, range(unit.num_rows))
 
 
 def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns: list[str], batch_rows: int,
@@ -46,7 +53,7 @@ def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns:
     unit order. Windows with nothing to do are skipped without decoding; one window is held at a time.
     Every batch read goes to `digests` (`UnitWriter.digests`: the todo windows' digests, which their units
     record), so a window's digests are known before its first row is yielded. `unit_rows` says which rows
-    each unit holds (`UnitWriter.rows`).
+    each unit holds and which of them to run (`UnitWriter.rows`).
     Stops early once `stopping()` is true (the unfinished unit is redone on resume).
 
     `planner` (see pipeline/plan/window.py) gets each whole window's rows and returns its planned order
@@ -78,7 +85,7 @@ def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns:
                 items = dict(planned)
                 for unit in by_window[w]:
                     rows = unit_rows.rows[unit.index]
-                    for pos in range(unit.num_rows):
+                    for pos in unit_rows.positions(unit):
                         if stopping():
                             return
                         k = rows[pos] - w * wr

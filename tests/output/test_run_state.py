@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.errors import JobError
@@ -41,7 +44,7 @@ def checkpoint(source, out, stop=None, **kw) -> RunState:
 def rows(state: RunState, source: ParquetSource, writer: UnitWriter | None = None):
     """The rows to do, feeding `writer` (a stand-in without one)."""
     digests, unit_rows = ((writer.digests, writer.rows) if writer else
-                          (WindowDigests(state.plan, ()), UnitRows(state.plan, state.fixed)))
+                          (WindowDigests(state.plan, ()), UnitRows(state.plan, state.fixed, state.retry)))
     return rows_to_do(source, state.plan, state.todo, COLUMNS, 4, digests, unit_rows,
                       stopping=lambda: state.stop.stopping)
 
@@ -178,10 +181,10 @@ def test_records_without_row_digests_are_not_checked(source, tmp_path):
 def test_unit_rows_keep_committed_rows_and_share_the_rest_in_planned_order():
     plan = WorkPlan((InputFile("a", 1, 5),), window_rows=5, rows_per_part=2)  # units [0, 2), [2, 4), [4, 5)
     units = plan.window_units(0)
-    plain = UnitRows(plan, {0: [0, 1]})
+    plain = UnitRows(plan, {0: [0, 1]}, {})
     plain.cut(0, [0, 1, 2, 3, 4], units[1:])
     assert plain.rows == {1: [2, 3], 2: [4]}  # the order unit 0 was cut from: the plain cut
-    moved = UnitRows(plan, {0: [4, 1]})  # unit 0 was cut from an order that has changed since
+    moved = UnitRows(plan, {0: [4, 1]}, {})  # unit 0 was cut from an order that has changed since
     moved.cut(0, [0, 1, 2, 3, 4], units[1:])
     assert moved.rows == {1: [0, 2], 2: [3]}
 
@@ -205,3 +208,46 @@ def test_units_keep_their_rows_when_the_planned_order_changes(source, tmp_path):
     run(lambda rows: list(enumerate(rows)))
     assert sorted(r["id"] for r in read_output(str(out))) == list(range(13))
 
+
+def test_retry_errors_redoes_the_error_rows_only(source, tmp_path, caplog):
+    out = tmp_path / "out"
+
+    def run(result, **kw) -> tuple[RunState, str]:
+        """A run whose rows to do come out as `result(id)`."""
+        cp = checkpoint(source, out, **kw)
+        status = cp.start("resume")
+        writer = UnitWriter(cp, ParquetSink(str(out), SCHEMA.append(pa.field("text", pa.string()))
+                                                      .append(pa.field("error", pa.string())), {}), samples=1)
+        for unit, pos, _, _, row in rows(cp, source, writer):
+            writer.add(unit, pos, {"id": row["id"], "sample_index": 0, **result(row["id"])})
+        cp.finish()
+        cp.close()
+        return cp, status
+
+    run(lambda i: {"text": None, "error": "boom"} if i in (3, 11) else {"text": f"t{i}", "error": None})
+    before = read_output(str(out))
+    with caplog.at_level(logging.INFO):
+        cp, status = run(lambda i: {"text": f"again {i}", "error": None}, retry_errors=True)
+    assert status == "run" and [u.id for u in cp.todo] == ["000001", "000006"] and cp.todo_rows == 2
+    assert "output.retry_errors: 2 error rows found in 8 committed units; 2 are retried" in caplog.text
+    after = read_output(str(out))
+    assert [r for r in after if r["id"] not in (3, 11)] == [r for r in before if r["id"] not in (3, 11)]
+    assert [(r["id"], r["text"]) for r in after if r["id"] in (3, 11)] == [(11, "again 11"), (3, "again 3")]
+    assert cp.ledger.is_complete()
+    assert run(lambda i: {}, retry_errors=True)[1] == "idle"  # no error rows left
+
+
+def test_parts_without_input_rows_keep_their_error_rows(source, tmp_path, caplog):
+    out = tmp_path / "out"
+    cp = checkpoint(source, out)
+    cp.start("resume")
+    part = out / "part-000006.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": 10, "error": "boom"}, {"id": 11, "error": None}]), part)
+    cp.ledger.commit("000006", part.name, part.stat().st_size, [10, 11])  # as jobs before input rows wrote it
+    cp.close()
+    again = checkpoint(source, out, retry_errors=True)
+    assert again.start("resume") == "run"
+    assert "000006" not in [u.id for u in again.todo] and not again.retry
+    assert ("unit 000006: its 1 error rows are not retried: part part-000006.parquet was written before parts "
+            "recorded their input rows") in caplog.text
+    again.close()
