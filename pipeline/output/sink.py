@@ -1,10 +1,11 @@
 """Write results as a Parquet dataset (zstd part files) under one output directory, through fsspec.
 
-Result rows reach the output only through `ParquetSink.write_part(unit_id, table)` (`write_rows` wraps
-it): each call writes one whole part file (`ledger.write_whole`: local temp file + fsync + rename; object
-stores: one PUT of the final key) and returns what it wrote. `UnitWriter` (pipeline/output/commit.py) adds the ledger
-record after that call returns (the commit point); resume and shards choose the unit ids (see
-pipeline/output/run_state.py). `finish` writes the run's metrics the same way.
+Result rows reach the output only through `ParquetSink.write_part(unit_id, table, input_rows)` (`write_rows`
+wraps it): each call writes one whole part file (`ledger.write_whole`: local temp file + fsync + rename;
+object stores: one PUT of the final key), which records the input rows it holds, and returns what it
+wrote. `UnitWriter` (pipeline/output/commit.py) adds the ledger record after that call returns (the commit
+point); resume and shards choose the unit ids (see pipeline/output/run_state.py). `finish` writes the
+run's metrics the same way.
 """
 
 from __future__ import annotations
