@@ -36,6 +36,7 @@ from pipeline.source.files import ParquetSource
 from pipeline.source.prompts import PromptBuilder
 
 if TYPE_CHECKING:
+    from pipeline.model.llama import LlamaModel
     from pipeline.model.startup_cache import StartupCache
     from pipeline.perf.probe import ProbeResult
     from pipeline.perf.quant_choice import QuantChoice
@@ -246,7 +247,7 @@ class _Run:
         state = self.state
         for unit, position, file, row_index, planned in rows_to_do(
                 self.source, state.plan, state.todo, read_columns(self.cfg.resolved["input"]), inp.batch_rows,
-                self.writer.digests, self.writer.rows, self.planner, lambda: state.stop.stopping):
+                self.writer.digests, self.planner, lambda: state.stop.stopping):
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
@@ -294,6 +295,26 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@dataclass(frozen=True)
+class _KernelReport:
+    """What the model's kernels are and what they counted, as logged and kept in `_metrics.json`: a snapshot
+    (the step counts grow while the rows run). The float model has no `kernel_choice`: nothing chosen."""
+
+    int8_gemm: dict[str, str]  # the W8A8 int8 GEMM per part, on CPU
+    weight_bound: int | None  # the W8A8 weights' largest |int8|
+    steps: dict[str, int]  # forward passes per matmul kernel
+    native_layer_steps: int  # W8A8 steps whose decoder layers ran in one native call
+    compiled: bool  # the decoder layers run through torch.compile
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> _KernelReport:
+        choice = model.kernel_choice
+        if choice is None:
+            return cls({}, None, {}, 0, model.compiled)
+        return cls(dict(choice.int8_gemm), choice.weight_bound, dict(choice.steps), choice.native_layer_steps,
+                   model.compiled)
+
+
 def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
     """Run the job; returns the metrics also written to `_metrics.json`. Raises JobError for job-level errors."""
     with contextlib.ExitStack() as resources:  # tensor-parallel workers live as long as the run
@@ -326,8 +347,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                          num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
                          lease_timeout_s=cfg.output.lease_timeout_s, stop=stop,
                          read_input=lambda: ((f.name, b) for f, _, b in source.batches(columns, batch_rows)),
-                         on_input_change=cfg.output.on_input_change, inputs=source.urls(),
-                         retry_errors=cfg.output.retry_errors)
+                         on_input_change=cfg.output.on_input_change, inputs=source.urls())
     fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
@@ -399,11 +419,12 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     recorder = RunRecorder(roof, interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
-    for part, gemm in getattr(loaded.model.kernel_choice, "int8_gemm", {}).items():
-        log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, loaded.model.kernel_choice.weight_bound)
+    kernels = _KernelReport.of(loaded.model)
+    for part, gemm in kernels.int8_gemm.items():
+        log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, kernels.weight_bound)
     if cache is not None:
         log.info("startup cache %s: %d entries read, %d built", cache.root, cache.read, cache.built)
-    if getattr(loaded.model, "native_layers", None) is not None:
+    if loaded.model.native_layers is not None:
         log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE_DECODE=off: torch ops)")
 
     builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len, cfg.engine.seed)
@@ -430,11 +451,11 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     t_end = time.perf_counter()
 
     generate_s = t_end - t_loaded
+    kernels = _KernelReport.of(loaded.model)  # the run's step counts
     metrics = {
         "rows": state.rows,
         "output_rows": writer.rows_written,
         "error_rows": state.error_rows,
-        "retried_error_rows": run_state.retry_rows,
         "prompt_tokens": stats.prompt_tokens,
         "cached_tokens": stats.cached_tokens,
         "computed_prompt_tokens": stats.prefill_tokens,
@@ -470,11 +491,11 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                   "quant_lm_head": options["quant_lm_head"],
                   "kv_cache_dtype": kv_dtype,
                   "quant_auto": None if quant is None else quant.as_dict(),
-                  "kernel_steps": dict(getattr(loaded.model.kernel_choice, "steps", {})),
-                  "int8_gemm": dict(getattr(loaded.model.kernel_choice, "int8_gemm", {})),
-                  "int8_weight_bound": getattr(loaded.model.kernel_choice, "weight_bound", None),
-                  "native_layer_steps": getattr(loaded.model.kernel_choice, "native_layer_steps", 0),
-                  "compiled_layers": bool(getattr(loaded.model, "compiled", False)),
+                  "kernel_steps": kernels.steps,
+                  "int8_gemm": kernels.int8_gemm,
+                  "int8_weight_bound": kernels.weight_bound,
+                  "native_layer_steps": kernels.native_layer_steps,
+                  "compiled_layers": kernels.compiled,
                   "startup_cache": None if cache is None else cache.as_dict()},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),
