@@ -36,11 +36,15 @@ from pipeline.source.files import ParquetSource
 from pipeline.source.prompts import PromptBuilder
 
 if TYPE_CHECKING:
+    from pipeline.engine.batch_tuning import BatchChoice
+    from pipeline.engine.engine import Engine
     from pipeline.model.llama import LlamaModel
+    from pipeline.model.loader import LoadedModel
     from pipeline.model.startup_cache import StartupCache
+    from pipeline.parallel.runner import ShardedModel
     from pipeline.perf.probe import ProbeResult
     from pipeline.perf.quant_choice import QuantChoice
-    from pipeline.perf.roofline import HardwareProfile
+    from pipeline.perf.roofline import HardwareProfile, Roofline
 
 log = logging.getLogger("pipeline")
 
@@ -315,6 +319,24 @@ class _KernelReport:
                    model.compiled)
 
 
+@dataclass(frozen=True)
+class _Model:
+    """The loaded model and its engine, with what loading resolved (logged and kept in `_metrics.json`)."""
+
+    sharded: ShardedModel
+    engine: Engine
+    quant: QuantChoice | None  # what model.quant=auto resolved to, after its measured crossing
+    options: dict[str, Any]  # how every rank loaded it (`_model_options`)
+    hardware: HardwareProfile | None  # probed (or cached) for model.quant=auto and output.report
+    cache: StartupCache | None
+    kv_dtype: str
+    batch_choice: BatchChoice | None  # engine.max_batch_size=auto's
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.sharded.loaded
+
+
 def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
     """Run the job; returns the metrics also written to `_metrics.json`. Raises JobError for job-level errors."""
     with contextlib.ExitStack() as resources:  # tensor-parallel workers live as long as the run
@@ -368,64 +390,13 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
 
     import torch
 
-    from pipeline.engine.engine import Engine
-    from pipeline.parallel.runner import open_model
-
-    cache = _startup_cache(cfg)
-    hardware = None
-    if cfg.output.report or cfg.model.quant == "auto":
-        from pipeline.perf.probe import hardware_profile
-
-        hardware = hardware_profile(cfg.resolved["hardware"], *([_cached_probe(cache)] if cache else []))
-    quant = _choose_quant(cfg, model_path, hardware) if cfg.model.quant == "auto" else None
-    measure = _measures_crossover(cfg, quant)
-    options = _model_options(cfg, quant, measure)
-    kv_dtype = str(options["kv_dtype"]).removeprefix("torch.")
-    try:
-        sharded = resources.enter_context(open_model(model_path, **options, startup_cache=cache))
-    except (OSError, ValueError, KeyError) as e:
-        raise JobError(f"cannot load model {model_path}: {e}") from None
-    loaded = sharded.loaded
-    if measure:
-        from pipeline.perf.kernel_crossover import apply_measured_crossover
-
-        quant, crossover = apply_measured_crossover(quant, loaded.model, cfg.engine.batch_limit,
-                                                    _cached_crossover(cache, loaded.cache_key))
-        options["w8a8_rows"] = quant.w8a8_rows
-        log.info("model.quant=auto on this CPU: W8A8 from %s rows; %s", quant.w8a8_rows, crossover.describe())
-    _pin_vector_isa(cfg, loaded.model, cache)
-    try:
-        engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
-                        _draft_model(cfg, model_path, loaded))
-    except ValueError as e:
-        raise JobError(str(e)) from None
-    check_room(cfg, types, engine.max_model_len)  # the KV cache may hold fewer positions than the model has
-    batch_choice = engine.tune_batch_size(cfg.sampling.max_tokens, run_state.todo_rows * cfg.sampling.n)
-    if batch_choice is not None:
-        log.info("engine.max_batch_size=auto: %d (%s)", batch_choice.batch, batch_choice.reason)
+    model = _load_model(cfg, model_path, types, run_state.todo_rows * cfg.sampling.n, resources)
+    engine, loaded = model.engine, model.loaded
     from pipeline.perf.report import RunRecorder, write_report
 
-    roof = None
-    if cfg.output.report:
-        from pipeline.perf.roofline import Roofline
-
-        int8 = options["quant"] == "w8a8" or (options["quant"] != "none" and options["w8a8_rows"] is not None
-                                               and options["w8a8_rows"] <= engine.max_batch_size)
-        # W8A8 steps: int8 weights and the int8 peak (where the hardware profile has one)
-        int8 = int8 and "int8" in hardware.flops
-        roof = Roofline.of(loaded.config, hardware, cfg.model_dtype, tp=cfg.engine.tensor_parallel,
-                           weights="int8" if int8 else None, kv_dtype=kv_dtype,
-                           compute_dtype="int8" if int8 else None)
-    recorder = RunRecorder(roof, interval_s=cfg.output.report_interval_s)
+    recorder = RunRecorder(_roofline(cfg, model), interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
-    log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, t_loaded - t_start, loaded.weight_bytes)
-    kernels = _KernelReport.of(loaded.model)
-    for part, gemm in kernels.int8_gemm.items():
-        log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, kernels.weight_bound)
-    if cache is not None:
-        log.info("startup cache %s: %d entries read, %d built", cache.root, cache.read, cache.built)
-    if loaded.model.native_layers is not None:
-        log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE_DECODE=off: torch ops)")
+    _log_loaded(model, t_loaded - t_start)
 
     builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len, cfg.engine.seed)
     writer = UnitWriter(run_state, sink, cfg.sampling.n)
@@ -469,7 +440,7 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         "total_tokens_per_s": (stats.prefill_tokens + stats.decode_tokens) / generate_s,
         "mean_batch": stats.mean_running_batch,
         "max_batch_size": engine.max_batch_size,
-        "max_batch_size_auto": None if batch_choice is None else batch_choice.as_dict(),
+        "max_batch_size_auto": None if model.batch_choice is None else model.batch_choice.as_dict(),
         "steps": stats.steps,
         "preemptions": stats.preemptions,
         "evictions": stats.evictions,
@@ -487,16 +458,16 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
                                        if stats.model_time else 0.0),
         "engine": stats.as_dict(),
         "model": {"name": model_name, "path": model_path, "loaded_name": loaded.name,
-                  "dtype": cfg.model_dtype, "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
-                  "quant_lm_head": options["quant_lm_head"],
-                  "kv_cache_dtype": kv_dtype,
-                  "quant_auto": None if quant is None else quant.as_dict(),
+                  "dtype": cfg.model_dtype, "quant": model.options["quant"],
+                  "w8a8_rows": model.options["w8a8_rows"], "quant_lm_head": model.options["quant_lm_head"],
+                  "kv_cache_dtype": model.kv_dtype,
+                  "quant_auto": None if model.quant is None else model.quant.as_dict(),
                   "kernel_steps": kernels.steps,
                   "int8_gemm": kernels.int8_gemm,
                   "int8_weight_bound": kernels.weight_bound,
                   "native_layer_steps": kernels.native_layer_steps,
                   "compiled_layers": kernels.compiled,
-                  "startup_cache": None if cache is None else cache.as_dict()},
+                  "startup_cache": None if model.cache is None else model.cache.as_dict()},
         "units_committed": writer.committed_units,
         "units_done_before": len(run_state.mine) - len(run_state.todo),
         "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
@@ -517,3 +488,75 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)
     print(summary(metrics), file=stdout, flush=True)
     return metrics
+
+
+def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], samples: int,
+                resources: contextlib.ExitStack) -> _Model:
+    """Load the model as model.quant resolves here (with the hardware probed or read from the startup cache)
+    and start its engine, its batch size tuned for the run's `samples` (engine.max_batch_size=auto)."""
+    from pipeline.engine.engine import Engine
+    from pipeline.parallel.runner import open_model
+
+    cache = _startup_cache(cfg)
+    hardware = None
+    if cfg.output.report or cfg.model.quant == "auto":
+        from pipeline.perf.probe import hardware_profile
+
+        hardware = hardware_profile(cfg.resolved["hardware"], *([_cached_probe(cache)] if cache else []))
+    quant = _choose_quant(cfg, model_path, hardware) if cfg.model.quant == "auto" else None
+    measure = _measures_crossover(cfg, quant)
+    options = _model_options(cfg, quant, measure)
+    kv_dtype = str(options["kv_dtype"]).removeprefix("torch.")
+    try:
+        sharded = resources.enter_context(open_model(model_path, **options, startup_cache=cache))
+    except (OSError, ValueError, KeyError) as e:
+        raise JobError(f"cannot load model {model_path}: {e}") from None
+    loaded = sharded.loaded
+    if measure:
+        from pipeline.perf.kernel_crossover import apply_measured_crossover
+
+        quant, crossover = apply_measured_crossover(quant, loaded.model, cfg.engine.batch_limit,
+                                                    _cached_crossover(cache, loaded.cache_key))
+        options["w8a8_rows"] = quant.w8a8_rows
+        log.info("model.quant=auto on this CPU: W8A8 from %s rows; %s", quant.w8a8_rows, crossover.describe())
+    _pin_vector_isa(cfg, loaded.model, cache)
+    try:
+        engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
+                        _draft_model(cfg, model_path, loaded))
+    except ValueError as e:
+        raise JobError(str(e)) from None
+    check_room(cfg, types, engine.max_model_len)  # the KV cache may hold fewer positions than the model has
+    batch_choice = engine.tune_batch_size(cfg.sampling.max_tokens, samples)
+    if batch_choice is not None:
+        log.info("engine.max_batch_size=auto: %d (%s)", batch_choice.batch, batch_choice.reason)
+    return _Model(sharded, engine, quant, options, hardware, cache, kv_dtype, batch_choice)
+
+
+def _roofline(cfg: JobConfig, model: _Model) -> Roofline | None:
+    """The report's roofline (output.report): at the int8 peak where the run's steps are W8A8."""
+    if not cfg.output.report:
+        return None
+    from pipeline.perf.roofline import Roofline
+
+    options = model.options
+    int8 = options["quant"] == "w8a8" or (options["quant"] != "none" and options["w8a8_rows"] is not None
+                                           and options["w8a8_rows"] <= model.engine.max_batch_size)
+    # W8A8 steps: int8 weights and the int8 peak (where the hardware profile has one)
+    int8 = int8 and "int8" in model.hardware.flops
+    return Roofline.of(model.loaded.config, model.hardware, cfg.model_dtype, tp=cfg.engine.tensor_parallel,
+                       weights="int8" if int8 else None, kv_dtype=model.kv_dtype,
+                       compute_dtype="int8" if int8 else None)
+
+
+def _log_loaded(model: _Model, seconds: float) -> None:
+    """What was loaded, in `seconds` since the job started, and which kernels it runs."""
+    loaded = model.loaded
+    log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, seconds, loaded.weight_bytes)
+    kernels = _KernelReport.of(loaded.model)
+    for part, gemm in kernels.int8_gemm.items():
+        log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, kernels.weight_bound)
+    cache = model.cache
+    if cache is not None:
+        log.info("startup cache %s: %d entries read, %d built", cache.root, cache.read, cache.built)
+    if loaded.model.native_layers is not None:
+        log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE_DECODE=off: torch ops)")
