@@ -337,6 +337,29 @@ class _Model:
         return self.sharded.loaded
 
 
+@dataclass(frozen=True)
+class _Input:
+    """The checked input and model file."""
+
+    source: ParquetSource
+    types: dict[str, pa.DataType]  # each input column's type
+    ids: pa.DataType | None  # the id column's; None: ids are `<file>:<row>`
+    schema: pa.Schema  # the output's
+    model_path: str
+    model_name: str
+
+
+@dataclass(frozen=True)
+class _Output:
+    """This shard's output: its run state (lease, units to do) and Parquet sink."""
+
+    stop: GracefulStop
+    run_state: RunState
+    sink: ParquetSink
+    status: str  # `RunState.start`'s: "run", else why there is nothing to do
+    fingerprint: str  # the manifest's digest
+
+
 def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
     """Run the job; returns the metrics also written to `_metrics.json`. Raises JobError for job-level errors."""
     with contextlib.ExitStack() as resources:  # tensor-parallel workers live as long as the run
@@ -345,48 +368,14 @@ def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
 
 def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dict[str, Any]:
     t_start = time.perf_counter()
-    check_filesystems(cfg)
-    source = ParquetSource(cfg.input.path)
-    types = source.check_columns(column_specs(cfg))
-    ids = id_type(source, cfg.input.id_column, types)
-    log.info("input: %d rows in %d files", source.total_rows, len(source.files))
-    passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
-    schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids,
-                           cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
-                           cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
-    model_path, model_name = _model_path(cfg)
-    check_model_values(cfg, model_path, types)  # before the output folder is touched and the weights load
-    if cfg.engine.tensor_parallel > 1:  # under torchrun, ranks > 0 only serve model steps to rank 0
-        from pipeline.parallel.runner import serve_as_torchrun_worker
-
-        if serve_as_torchrun_worker(model_path, **_model_options(cfg)):
-            return {"rows": 0, "status": "tensor-parallel worker"}
-    stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
-    plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files),
-                    window_rows=cfg.plan.window_rows, rows_per_part=cfg.output.rows_per_part)
-    columns, batch_rows = read_columns(cfg.resolved["input"]), cfg.input.batch_rows
-    run_state = RunState(cfg.output.path, plan, {**cfg.fingerprint(model_path), "input_content": source.content()},
-                         num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
-                         lease_timeout_s=cfg.output.lease_timeout_s, stop=stop,
-                         read_input=lambda: ((f.name, b) for f, _, b in source.batches(columns, batch_rows)),
-                         on_input_change=cfg.output.on_input_change, inputs=source.urls())
-    fingerprint = run_state.manifest["digest"]
-    metadata = {"pipeline.model": model_name, "pipeline.model_path": cfg.model.path or model_path,
-                "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
-    sink = ParquetSink(cfg.output.path, schema, metadata, cfg.output.compression)
-    status = run_state.start(cfg.output.mode)
-    resources.callback(run_state.close)  # releases the lease, also on errors and interruptions
-    if status != "run":  # nothing left to do: no model load
-        done = status == "complete" or run_state.finish()
-        if status == "idle":  # e.g. the previous run was killed after its last commit: metrics were not written
-            sink.finish_once({"rows": 0, "units_committed": 0, "units_done_before": len(run_state.mine),
-                              "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
-                              "config_fingerprint": fingerprint, "version": __version__, "config": cfg.resolved},
-                             metrics_name(run_state.num_shards, run_state.shard_index))
-        print(f"{run_state.shard_label}nothing to do: "
-              f"{'the output is complete' if done else 'this shard is done; other shards are not'}",
-              file=stdout, flush=True)
-        return {"rows": 0, "status": status, "complete": done}
+    inp = _check_input(cfg)
+    if _served_steps_as_worker(cfg, inp.model_path):
+        return {"rows": 0, "status": "tensor-parallel worker"}
+    out = _open_output(cfg, inp, resources)
+    if out.status != "run":  # nothing left to do: no model load
+        return _nothing_to_do(cfg, out, stdout)
+    source, types, ids, model_path, model_name = inp.source, inp.types, inp.ids, inp.model_path, inp.model_name
+    stop, run_state, sink, fingerprint = out.stop, out.run_state, out.sink, out.fingerprint
 
     import torch
 
@@ -488,6 +477,69 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)
     print(summary(metrics), file=stdout, flush=True)
     return metrics
+
+
+def _check_input(cfg: JobConfig) -> _Input:
+    """Everything that can be checked before the output is touched and the weights load: the filesystems,
+    the input's files and columns, the model file, and the rows' values the model must accept."""
+    check_filesystems(cfg)
+    source = ParquetSource(cfg.input.path)
+    types = source.check_columns(column_specs(cfg))
+    ids = id_type(source, cfg.input.id_column, types)
+    log.info("input: %d rows in %d files", source.total_rows, len(source.files))
+    passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
+    schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids,
+                           cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
+                           cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
+    model_path, model_name = _model_path(cfg)
+    check_model_values(cfg, model_path, types)  # before the output folder is touched and the weights load
+    return _Input(source, types, ids, schema, model_path, model_name)
+
+
+def _served_steps_as_worker(cfg: JobConfig, model_path: str) -> bool:
+    """Under torchrun, ranks > 0 only serve model steps to rank 0: True once this rank has."""
+    if cfg.engine.tensor_parallel <= 1:
+        return False
+    from pipeline.parallel.runner import serve_as_torchrun_worker
+
+    return serve_as_torchrun_worker(model_path, **_model_options(cfg))
+
+
+def _open_output(cfg: JobConfig, inp: _Input, resources: contextlib.ExitStack) -> _Output:
+    """Take this shard's lease on the output and find its units still to do (`RunState.start`)."""
+    source, model_path = inp.source, inp.model_path
+    stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
+    plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files),
+                    window_rows=cfg.plan.window_rows, rows_per_part=cfg.output.rows_per_part)
+    columns, batch_rows = read_columns(cfg.resolved["input"]), cfg.input.batch_rows
+    run_state = RunState(cfg.output.path, plan, {**cfg.fingerprint(model_path), "input_content": source.content()},
+                         num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
+                         lease_timeout_s=cfg.output.lease_timeout_s, stop=stop,
+                         read_input=lambda: ((f.name, b) for f, _, b in source.batches(columns, batch_rows)),
+                         on_input_change=cfg.output.on_input_change, inputs=source.urls())
+    fingerprint = run_state.manifest["digest"]
+    metadata = {"pipeline.model": inp.model_name, "pipeline.model_path": cfg.model.path or model_path,
+                "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
+    sink = ParquetSink(cfg.output.path, inp.schema, metadata, cfg.output.compression)
+    status = run_state.start(cfg.output.mode)
+    resources.callback(run_state.close)  # releases the lease, also on errors and interruptions
+    return _Output(stop, run_state, sink, status, fingerprint)
+
+
+def _nothing_to_do(cfg: JobConfig, out: _Output, stdout: TextIO) -> dict[str, Any]:
+    """The end of a run that found this shard's units all committed: `_SUCCESS` if every shard's are."""
+    run_state, status = out.run_state, out.status
+    done = status == "complete" or run_state.finish()
+    if status == "idle":  # e.g. the previous run was killed after its last commit: metrics were not written
+        out.sink.finish_once({"rows": 0, "units_committed": 0, "units_done_before": len(run_state.mine),
+                              "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
+                              "config_fingerprint": out.fingerprint, "version": __version__,
+                              "config": cfg.resolved},
+                             metrics_name(run_state.num_shards, run_state.shard_index))
+    print(f"{run_state.shard_label}nothing to do: "
+          f"{'the output is complete' if done else 'this shard is done; other shards are not'}",
+          file=stdout, flush=True)
+    return {"rows": 0, "status": status, "complete": done}
 
 
 def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], samples: int,
