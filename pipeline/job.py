@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from pipeline.parallel.runner import ShardedModel
     from pipeline.perf.probe import ProbeResult
     from pipeline.perf.quant_choice import QuantChoice
+    from pipeline.perf.report import RunRecorder
     from pipeline.perf.roofline import HardwareProfile, Roofline
 
 log = logging.getLogger("pipeline")
@@ -374,8 +375,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     out = _open_output(cfg, inp, resources)
     if out.status != "run":  # nothing left to do: no model load
         return _nothing_to_do(cfg, out, stdout)
-    source, types, ids, model_path, model_name = inp.source, inp.types, inp.ids, inp.model_path, inp.model_name
-    stop, run_state, sink, fingerprint = out.stop, out.run_state, out.sink, out.fingerprint
+    types, model_path, model_name = inp.types, inp.model_path, inp.model_name
+    run_state, sink, fingerprint = out.run_state, out.sink, out.fingerprint
 
     import torch
 
@@ -387,27 +388,8 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     t_loaded = time.perf_counter()
     _log_loaded(model, t_loaded - t_start)
 
-    builder = PromptBuilder(loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len, cfg.engine.seed)
-    writer = UnitWriter(run_state, sink, cfg.sampling.n)
-    progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
-    state = _Run(cfg, source, run_state, writer, builder, cfg.input.id_column if ids else None)
-    stats = engine.stats
-
-    def observe() -> None:  # after every step: the first line and sample come before the first row finishes
-        progress.update(state.rows, stats, state.bound.total)
-        recorder.observe(state.rows, stats)
-
-    for result in engine.generate(state.requests(), on_step=observe):
-        state.accept(result)
-    recorder.observe(state.rows, stats, force=True)
-    progress.update(state.rows, stats, state.bound.total)
-    progress.close()
-    if writer.committed_units < len(run_state.todo):
-        if not stop.stopping:  # every row of every unit was admitted: results went missing
-            raise RuntimeError(f"{len(run_state.todo) - writer.committed_units} units incomplete with no stop")
-        # Only a stop request ends admission early; the units it left open are redone on resume.
-        raise Interrupted(f"{stop.reason or 'stopped'}: {writer.committed_units} of {len(run_state.todo)} "
-                          "units committed; run the same command again to resume")
+    state = _run_rows(cfg, inp, out, model, recorder, stdout)
+    writer, stats = state.writer, engine.stats
     t_end = time.perf_counter()
 
     generate_s = t_end - t_loaded
@@ -477,6 +459,36 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
         log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)
     print(summary(metrics), file=stdout, flush=True)
     return metrics
+
+
+def _run_rows(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, recorder: RunRecorder,
+              stdout: TextIO) -> _Run:
+    """Stream the rows still to do through the engine into the output's units, with progress; Interrupted
+    when a stop request ended admission before every unit was committed."""
+    engine, run_state, stop = model.engine, out.run_state, out.stop
+    builder = PromptBuilder(model.loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len,
+                            cfg.engine.seed)
+    writer = UnitWriter(run_state, out.sink, cfg.sampling.n)
+    progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
+    state = _Run(cfg, inp.source, run_state, writer, builder, cfg.input.id_column if inp.ids else None)
+    stats = engine.stats
+
+    def observe() -> None:  # after every step: the first line and sample come before the first row finishes
+        progress.update(state.rows, stats, state.bound.total)
+        recorder.observe(state.rows, stats)
+
+    for result in engine.generate(state.requests(), on_step=observe):
+        state.accept(result)
+    recorder.observe(state.rows, stats, force=True)
+    progress.update(state.rows, stats, state.bound.total)
+    progress.close()
+    if writer.committed_units < len(run_state.todo):
+        if not stop.stopping:  # every row of every unit was admitted: results went missing
+            raise RuntimeError(f"{len(run_state.todo) - writer.committed_units} units incomplete with no stop")
+        # Only a stop request ends admission early; the units it left open are redone on resume.
+        raise Interrupted(f"{stop.reason or 'stopped'}: {writer.committed_units} of {len(run_state.todo)} "
+                          "units committed; run the same command again to resume")
+    return state
 
 
 def _check_input(cfg: JobConfig) -> _Input:
