@@ -368,6 +368,7 @@ def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
 
 
 def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dict[str, Any]:
+    """`run`'s steps; `resources` keeps what must last until the end (stop handlers, lease, workers)."""
     t_start = time.perf_counter()
     inp = _check_input(cfg)
     if _served_steps_as_worker(cfg, inp.model_path):
@@ -375,89 +376,15 @@ def _run(cfg: JobConfig, stdout: TextIO, resources: contextlib.ExitStack) -> dic
     out = _open_output(cfg, inp, resources)
     if out.status != "run":  # nothing left to do: no model load
         return _nothing_to_do(cfg, out, stdout)
-    types, model_path, model_name = inp.types, inp.model_path, inp.model_name
-    run_state, sink, fingerprint = out.run_state, out.sink, out.fingerprint
-
-    import torch
-
-    model = _load_model(cfg, model_path, types, run_state.todo_rows * cfg.sampling.n, resources)
-    engine, loaded = model.engine, model.loaded
-    from pipeline.perf.report import RunRecorder, write_report
+    model = _load_model(cfg, inp.model_path, inp.types, out.run_state.todo_rows * cfg.sampling.n, resources)
+    from pipeline.perf.report import RunRecorder
 
     recorder = RunRecorder(_roofline(cfg, model), interval_s=cfg.output.report_interval_s)
     t_loaded = time.perf_counter()
     _log_loaded(model, t_loaded - t_start)
-
     state = _run_rows(cfg, inp, out, model, recorder, stdout)
-    writer, stats = state.writer, engine.stats
-    t_end = time.perf_counter()
-
-    generate_s = t_end - t_loaded
-    kernels = _KernelReport.of(loaded.model)  # the run's step counts
-    metrics = {
-        "rows": state.rows,
-        "output_rows": writer.rows_written,
-        "error_rows": state.error_rows,
-        "prompt_tokens": stats.prompt_tokens,
-        "cached_tokens": stats.cached_tokens,
-        "computed_prompt_tokens": stats.prefill_tokens,
-        "prefill_lower_bound_tokens": state.bound.total,
-        "prefill_efficiency": prefill_efficiency(state.bound.total, stats.prefill_tokens),
-        "generated_tokens": stats.decode_tokens,
-        "wall_time_s": t_end - t_start,
-        "model_load_s": t_loaded - t_start,
-        "generate_time_s": generate_s,
-        "generated_tokens_per_s": stats.decode_tokens / generate_s,
-        "total_tokens_per_s": (stats.prefill_tokens + stats.decode_tokens) / generate_s,
-        "mean_batch": stats.mean_running_batch,
-        "max_batch_size": engine.max_batch_size,
-        "max_batch_size_auto": None if model.batch_choice is None else model.batch_choice.as_dict(),
-        "steps": stats.steps,
-        "preemptions": stats.preemptions,
-        "evictions": stats.evictions,
-        "speculative": {"method": cfg.speculative.method, "proposed": stats.spec_proposed,
-                        "accepted": stats.spec_accepted, "acceptance_rate": stats.spec_acceptance_rate,
-                        "mean_accepted": stats.spec_mean_accepted, "forwards_saved": stats.spec_accepted,
-                        "step_share": stats.spec_step_share},
-        "plan": {"window_rows": cfg.plan.window_rows, "prefix_sort": cfg.plan.prefix_sort,
-                 "windows": state.planner.windows},
-        "peak_memory_bytes": _peak_rss_bytes(),
-        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-        "weight_bytes": loaded.weight_bytes,
-        "weight_bytes_read_per_step": loaded.bytes_read_per_token,
-        "weight_read_bandwidth_gb_s": (loaded.bytes_read_per_token * stats.steps / stats.model_time / 1e9
-                                       if stats.model_time else 0.0),
-        "engine": stats.as_dict(),
-        "model": {"name": model_name, "path": model_path, "loaded_name": loaded.name,
-                  "dtype": cfg.model_dtype, "quant": model.options["quant"],
-                  "w8a8_rows": model.options["w8a8_rows"], "quant_lm_head": model.options["quant_lm_head"],
-                  "kv_cache_dtype": model.kv_dtype,
-                  "quant_auto": None if model.quant is None else model.quant.as_dict(),
-                  "kernel_steps": kernels.steps,
-                  "int8_gemm": kernels.int8_gemm,
-                  "int8_weight_bound": kernels.weight_bound,
-                  "native_layer_steps": kernels.native_layer_steps,
-                  "compiled_layers": kernels.compiled,
-                  "startup_cache": None if model.cache is None else model.cache.as_dict()},
-        "units_committed": writer.committed_units,
-        "units_done_before": len(run_state.mine) - len(run_state.todo),
-        "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
-        "config_fingerprint": fingerprint,
-        "version": __version__,
-        "config": cfg.resolved,
-        "timeseries": recorder.to_json(),
-    }
-    sink.finish(metrics, metrics_name(run_state.num_shards, run_state.shard_index))
-    if cfg.output.report:
-        folder = f"{cfg.output.path.rstrip('/')}/{report_dir_name(run_state.num_shards, run_state.shard_index)}"
-        keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
-                "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
-                "preemptions", "evictions", "speculative")
-        write_report(folder, metrics["timeseries"], title=f"{model_name}: {cfg.output.path}",
-                     summary={k: metrics[k] for k in keys})
-    if not run_state.finish():  # `_SUCCESS` once every shard's units are committed
-        log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)
-    print(summary(metrics), file=stdout, flush=True)
+    metrics = _metrics(cfg, inp, out, model, state, recorder, (t_start, t_loaded, time.perf_counter()))
+    _write_metrics(cfg, out, metrics, inp.model_name, stdout)
     return metrics
 
 
@@ -489,6 +416,97 @@ def _run_rows(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, recorder
         raise Interrupted(f"{stop.reason or 'stopped'}: {writer.committed_units} of {len(run_state.todo)} "
                           "units committed; run the same command again to resume")
     return state
+
+
+def _metrics(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, state: _Run, recorder: RunRecorder,
+             times: tuple[float, float, float]) -> dict[str, Any]:
+    """`_metrics.json`: the run's counts and rates, the engine's statistics, the model, the shard. `times`:
+    `time.perf_counter()` at the start, once the model was loaded, at the end."""
+    import torch
+
+    t_start, t_loaded, t_end = times
+    stats, loaded, run_state, writer = model.engine.stats, model.loaded, out.run_state, state.writer
+    generate_s = t_end - t_loaded
+    return {
+        "rows": state.rows,
+        "output_rows": writer.rows_written,
+        "error_rows": state.error_rows,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_tokens": stats.cached_tokens,
+        "computed_prompt_tokens": stats.prefill_tokens,
+        "prefill_lower_bound_tokens": state.bound.total,
+        "prefill_efficiency": prefill_efficiency(state.bound.total, stats.prefill_tokens),
+        "generated_tokens": stats.decode_tokens,
+        "wall_time_s": t_end - t_start,
+        "model_load_s": t_loaded - t_start,
+        "generate_time_s": generate_s,
+        "generated_tokens_per_s": stats.decode_tokens / generate_s,
+        "total_tokens_per_s": (stats.prefill_tokens + stats.decode_tokens) / generate_s,
+        "mean_batch": stats.mean_running_batch,
+        "max_batch_size": model.engine.max_batch_size,
+        "max_batch_size_auto": None if model.batch_choice is None else model.batch_choice.as_dict(),
+        "steps": stats.steps,
+        "preemptions": stats.preemptions,
+        "evictions": stats.evictions,
+        "speculative": {"method": cfg.speculative.method, "proposed": stats.spec_proposed,
+                        "accepted": stats.spec_accepted, "acceptance_rate": stats.spec_acceptance_rate,
+                        "mean_accepted": stats.spec_mean_accepted, "forwards_saved": stats.spec_accepted,
+                        "step_share": stats.spec_step_share},
+        "plan": {"window_rows": cfg.plan.window_rows, "prefix_sort": cfg.plan.prefix_sort,
+                 "windows": state.planner.windows},
+        "peak_memory_bytes": _peak_rss_bytes(),
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        "weight_bytes": loaded.weight_bytes,
+        "weight_bytes_read_per_step": loaded.bytes_read_per_token,
+        "weight_read_bandwidth_gb_s": (loaded.bytes_read_per_token * stats.steps / stats.model_time / 1e9
+                                       if stats.model_time else 0.0),
+        "engine": stats.as_dict(),
+        "model": _model_metrics(cfg, inp, model),
+        "units_committed": writer.committed_units,
+        "units_done_before": len(run_state.mine) - len(run_state.todo),
+        "shard": {"index": run_state.shard_index, "count": run_state.num_shards},
+        "config_fingerprint": out.fingerprint,
+        "version": __version__,
+        "config": cfg.resolved,
+        "timeseries": recorder.to_json(),
+    }
+
+
+def _model_metrics(cfg: JobConfig, inp: _Input, model: _Model) -> dict[str, Any]:
+    """`_metrics.json`'s model: what was loaded, as what model.quant resolved to, and what its kernels ran."""
+    loaded, options = model.loaded, model.options
+    kernels = _KernelReport.of(loaded.model)  # the run's step counts
+    return {"name": inp.model_name, "path": inp.model_path, "loaded_name": loaded.name,
+            "dtype": cfg.model_dtype, "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
+            "quant_lm_head": options["quant_lm_head"],
+            "kv_cache_dtype": model.kv_dtype,
+            "quant_auto": None if model.quant is None else model.quant.as_dict(),
+            "kernel_steps": kernels.steps,
+            "int8_gemm": kernels.int8_gemm,
+            "int8_weight_bound": kernels.weight_bound,
+            "native_layer_steps": kernels.native_layer_steps,
+            "compiled_layers": kernels.compiled,
+            "startup_cache": None if model.cache is None else model.cache.as_dict()}
+
+
+def _write_metrics(cfg: JobConfig, out: _Output, metrics: dict[str, Any], model_name: str,
+                   stdout: TextIO) -> None:
+    """Write `_metrics.json` (and output.report's report), then `_SUCCESS` once every shard's units are
+    committed, and print the summary."""
+    from pipeline.perf.report import write_report
+
+    run_state = out.run_state
+    out.sink.finish(metrics, metrics_name(run_state.num_shards, run_state.shard_index))
+    if cfg.output.report:
+        folder = f"{cfg.output.path.rstrip('/')}/{report_dir_name(run_state.num_shards, run_state.shard_index)}"
+        keys = ("rows", "prompt_tokens", "computed_prompt_tokens", "cached_tokens", "prefill_lower_bound_tokens",
+                "prefill_efficiency", "generated_tokens", "generated_tokens_per_s", "wall_time_s", "mean_batch",
+                "preemptions", "evictions", "speculative")
+        write_report(folder, metrics["timeseries"], title=f"{model_name}: {cfg.output.path}",
+                     summary={k: metrics[k] for k in keys})
+    if not run_state.finish():  # `_SUCCESS` once every shard's units are committed
+        log.info("%sdone; the output is complete when the other shards are", run_state.shard_label)
+    print(summary(metrics), file=stdout, flush=True)
 
 
 def _check_input(cfg: JobConfig) -> _Input:
