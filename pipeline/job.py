@@ -301,23 +301,26 @@ def _peak_rss_bytes() -> int:
 
 
 @dataclass(frozen=True)
-class _KernelReport:
-    """What the model's kernels are and what they counted, as logged and kept in `_metrics.json`: a snapshot
-    (the step counts grow while the rows run). The float model has no `kernel_choice`: nothing chosen."""
+class _Input:
+    """The checked input and model file."""
 
-    int8_gemm: dict[str, str]  # the W8A8 int8 GEMM per part, on CPU
-    weight_bound: int | None  # the W8A8 weights' largest |int8|
-    steps: dict[str, int]  # forward passes per matmul kernel
-    native_layer_steps: int  # W8A8 steps whose decoder layers ran in one native call
-    compiled: bool  # the decoder layers run through torch.compile
+    source: ParquetSource
+    types: dict[str, pa.DataType]  # each input column's type
+    ids: pa.DataType | None  # the id column's; None: ids are `<file>:<row>`
+    schema: pa.Schema  # the output's
+    model_path: str
+    model_name: str
 
-    @classmethod
-    def of(cls, model: LlamaModel) -> _KernelReport:
-        choice = model.kernel_choice
-        if choice is None:
-            return cls({}, None, {}, 0, model.compiled)
-        return cls(dict(choice.int8_gemm), choice.weight_bound, dict(choice.steps), choice.native_layer_steps,
-                   model.compiled)
+
+@dataclass(frozen=True)
+class _Output:
+    """This shard's output: its run state (lease, units to do) and Parquet sink."""
+
+    stop: GracefulStop
+    run_state: RunState
+    sink: ParquetSink
+    status: str  # `RunState.start`'s: "run", else why there is nothing to do
+    fingerprint: str  # the manifest's digest
 
 
 @dataclass(frozen=True)
@@ -339,26 +342,23 @@ class _Model:
 
 
 @dataclass(frozen=True)
-class _Input:
-    """The checked input and model file."""
+class _KernelReport:
+    """What the model's kernels are and what they counted, as logged and kept in `_metrics.json`: a snapshot
+    (the step counts grow while the rows run). The float model has no `kernel_choice`: nothing chosen."""
 
-    source: ParquetSource
-    types: dict[str, pa.DataType]  # each input column's type
-    ids: pa.DataType | None  # the id column's; None: ids are `<file>:<row>`
-    schema: pa.Schema  # the output's
-    model_path: str
-    model_name: str
+    int8_gemm: dict[str, str]  # the W8A8 int8 GEMM per part, on CPU
+    weight_bound: int | None  # the W8A8 weights' largest |int8|
+    steps: dict[str, int]  # forward passes per matmul kernel
+    native_layer_steps: int  # W8A8 steps whose decoder layers ran in one native call
+    compiled: bool  # the decoder layers run through torch.compile
 
-
-@dataclass(frozen=True)
-class _Output:
-    """This shard's output: its run state (lease, units to do) and Parquet sink."""
-
-    stop: GracefulStop
-    run_state: RunState
-    sink: ParquetSink
-    status: str  # `RunState.start`'s: "run", else why there is nothing to do
-    fingerprint: str  # the manifest's digest
+    @classmethod
+    def of(cls, model: LlamaModel) -> _KernelReport:
+        choice = model.kernel_choice
+        if choice is None:
+            return cls({}, None, {}, 0, model.compiled)
+        return cls(dict(choice.int8_gemm), choice.weight_bound, dict(choice.steps), choice.native_layer_steps,
+                   model.compiled)
 
 
 def run(cfg: JobConfig, stdout: TextIO | None = None) -> dict[str, Any]:
