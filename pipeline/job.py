@@ -252,7 +252,7 @@ class _Run:
         state = self.state
         for unit, position, file, row_index, planned in rows_to_do(
                 self.source, state.plan, state.todo, read_columns(self.cfg.resolved["input"]), inp.batch_rows,
-                self.writer.digests, self.planner, lambda: state.stop.stopping):
+                self.writer.digests, self.writer.rows, self.planner, lambda: state.stop.stopping):
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
             base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
@@ -431,6 +431,7 @@ def _metrics(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, state: _R
         "rows": state.rows,
         "output_rows": writer.rows_written,
         "error_rows": state.error_rows,
+        "retried_error_rows": run_state.retry_rows,
         "prompt_tokens": stats.prompt_tokens,
         "cached_tokens": stats.cached_tokens,
         "computed_prompt_tokens": stats.prefill_tokens,
@@ -546,7 +547,8 @@ def _open_output(cfg: JobConfig, inp: _Input, resources: contextlib.ExitStack) -
                          num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
                          lease_timeout_s=cfg.output.lease_timeout_s, stop=stop,
                          read_input=lambda: ((f.name, b) for f, _, b in source.batches(columns, batch_rows)),
-                         on_input_change=cfg.output.on_input_change, inputs=source.urls())
+                         on_input_change=cfg.output.on_input_change, inputs=source.urls(),
+                         retry_errors=cfg.output.retry_errors)
     fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": inp.model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
