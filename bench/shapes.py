@@ -15,7 +15,6 @@ transformers, passing on the arguments after `--`. Both print the CPU flags besi
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +40,10 @@ SHAPES = {
 
 def checkpoint(shape: str) -> Path:
     """The shape's random-weight checkpoint, built on first use."""
+    from pipeline.model.remote import package_cache_dir
     from tests.tiny_model import build_tiny_checkpoint
 
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    directory = Path(base) / "llm-batch-pipeline" / "shapes" / shape
+    directory = package_cache_dir("shapes") / shape
     if not (directory / "tokenizer_config.json").is_file():  # written last by the builder
         print(f"building {directory} ...", flush=True)
         build_tiny_checkpoint(directory, seed=0, **SHAPES[shape])

@@ -34,10 +34,16 @@ def is_url(path: str) -> bool:
     return protocol not in ("file", "local")
 
 
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/llm-batch-pipeline/models` (`~/.cache/...` when unset)."""
+def package_cache_dir(name: str) -> Path:
+    """`$XDG_CACHE_HOME/llm-batch-pipeline/<name>` (`~/.cache/...` when unset): where the package keeps
+    what it can rebuild."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llm-batch-pipeline" / "models"
+    return Path(base) / "llm-batch-pipeline" / name
+
+
+def default_cache_dir() -> Path:
+    """Local copies of remote models: `package_cache_dir("models")`."""
+    return package_cache_dir("models")
 
 
 def cached_model(url: str, cache_dir: str | Path | None = None) -> tuple[Path, bool]:

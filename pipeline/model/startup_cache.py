@@ -35,18 +35,13 @@ from filelock import FileLock
 
 from kernels.native_build import cpu_identity
 from pipeline import __version__
+from pipeline.model.remote import package_cache_dir
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _CHUNK = 8 << 20
 _SOURCE_ROOTS = ("pipeline/model", "kernels")  # the code that shapes what an entry holds
-
-
-def default_startup_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/llm-batch-pipeline/startup` (`~/.cache/...` when unset)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llm-batch-pipeline" / "startup"
 
 
 @cache
@@ -70,7 +65,7 @@ class StartupCache:
     """One cache folder; `fetch` reads an entry or builds and stores it."""
 
     def __init__(self, root: str | Path | None = None):
-        self.root = Path(root).expanduser() if root else default_startup_cache_dir()
+        self.root = Path(root).expanduser() if root else package_cache_dir("startup")
         self.read = self.built = 0  # entries this process read, and built (reported in _metrics.json)
 
     def as_dict(self) -> dict[str, Any]:
