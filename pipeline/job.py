@@ -112,21 +112,28 @@ def _fast_bf16(device: str, on_cpu: str) -> bool:
     return getattr(kernels.wq_cpu, on_cpu)()
 
 
-def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile) -> QuantChoice:
-    """Resolve model.quant=auto: on one CPU rank, by regime from the hardware profile's peaks (the probe's);
-    under tensor parallelism or on a GPU, the model's own float weights. Logged with why."""
+def _auto_keeps_float(cfg: JobConfig) -> str | None:
+    """Why model.quant=auto loads the model's float weights here, or None where it chooses by regime (one CPU
+    rank)."""
     import torch
 
+    if cfg.engine.device.startswith("cuda") or (cfg.engine.device == "auto" and torch.cuda.is_available()):
+        return "on a GPU the float weights run on tensor cores (model.quant=w8a8, fp8 or int4 to quantize)"
+    if cfg.engine.tensor_parallel > 1:
+        return "under tensor_parallel > 1 the ranks would time kernels apart (name a scheme to quantize)"
+    return None
+
+
+def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile | None) -> QuantChoice:
+    """Resolve model.quant=auto: on one CPU rank, by regime from the hardware profile's peaks (the probe's);
+    elsewhere the model's float weights (`_auto_keeps_float`). Logged with why."""
     from pipeline.model.loader import open_model_file
     from pipeline.perf.quant_choice import QuantChoice, choose_quant
 
-    on_gpu = cfg.engine.device.startswith("cuda") or (cfg.engine.device == "auto" and torch.cuda.is_available())
-    if on_gpu or cfg.engine.tensor_parallel > 1:
-        why = ("a GPU: its float weights on tensor cores (model.quant=w8a8, fp8 or int4 to quantize)" if on_gpu else
-               "tensor_parallel > 1: its float weights (ranks would time kernels apart; name a scheme to quantize)")
-        choice = QuantChoice("none", None, "none", why)
-        log.info("model.quant=auto -> none (%s)", cfg.model_dtype + " weights on " + why)
-        return choice
+    why = _auto_keeps_float(cfg)
+    if why:
+        log.info("model.quant=auto -> none: %s", why)
+        return QuantChoice("none", None, "none", why)
     weight_only = "gguf" if model_path.endswith(".gguf") else "int4"
     kernels_fast = _fast_bf16(cfg.engine.device, "weight_only_kernels_fast")
     choice = choose_quant(open_model_file(model_path).config, hw, weight_only, kernels_fast, cfg.engine.batch_limit)
@@ -583,7 +590,7 @@ def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], 
 
     cache = _startup_cache(cfg)
     hardware = None
-    if cfg.output.report or cfg.model.quant == "auto":
+    if cfg.output.report or (cfg.model.quant == "auto" and _auto_keeps_float(cfg) is None):
         from pipeline.perf.probe import hardware_profile
 
         hardware = hardware_profile(cfg.resolved["hardware"], *([_cached_probe(cache)] if cache else []))

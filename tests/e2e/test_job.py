@@ -367,6 +367,18 @@ def test_a_second_auto_start_reads_what_the_first_derived(tmp_path, tiny_model_d
     assert rows[0].equals(rows[1])
 
 
+def test_auto_keeps_the_float_weights_under_tensor_parallelism(tmp_path, tiny_model_dir):
+    """Ranks would time kernels apart: auto loads the float model there, with the reason, and the KV cache
+    in the model's dtype."""
+    from pipeline import job as job_module
+
+    cfg = job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "model.quant=auto", "engine.tensor_parallel=2")
+    choice = job_module._choose_quant(cfg, str(tiny_model_dir), None)  # no hardware profile needed
+    assert choice.scheme == "none" and "tensor_parallel" in choice.reason
+    options = job_module._model_options(cfg, choice)
+    assert options["quant"] == "none" and options["kv_dtype"] == torch.float32
+
+
 @pytest.mark.parametrize("quant", ["w8a8", "auto"])
 def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
     """W8A8 runs every step in int8 (per-row activation scales: batching does not change a row's
