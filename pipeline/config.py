@@ -251,7 +251,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     tensor-core matmuls), float32 on CPU (exact, and what the CPU kernels run fastest in here)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if _on_cuda(device) else "float32"
+    return "bfloat16" if on_cuda(device) else "float32"
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, quant: str, model_dtype: str, device: str) -> str:
@@ -262,14 +262,14 @@ def resolve_kv_dtype(kv_cache_dtype: str, quant: str, model_dtype: str, device: 
     keeps the file's weights as its only approximation, and the CUDA runner keeps its cache in the model dtype."""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    if quant != "auto" or _on_cuda(device):
+    if quant != "auto" or on_cuda(device):
         return model_dtype
     from kernels.cpu_attention import machine_reason
 
     return "int8" if machine_reason() is None else "bfloat16"
 
 
-def _on_cuda(device: str) -> bool:
+def on_cuda(device: str) -> bool:
     """Whether engine.device means a GPU (`auto`: when one is available)."""
     import torch
 

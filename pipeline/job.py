@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import pyarrow as pa
 
 from pipeline import __version__
-from pipeline.config import JobConfig, resolve_kv_dtype
+from pipeline.config import JobConfig, on_cuda, resolve_kv_dtype
 from pipeline.engine.request import Request, Result
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
@@ -115,9 +115,7 @@ def _fast_bf16(device: str, on_cpu: str) -> bool:
 def _auto_keeps_float(cfg: JobConfig) -> str | None:
     """Why model.quant=auto loads the model's float weights here, or None where it chooses by regime (one CPU
     rank)."""
-    import torch
-
-    if cfg.engine.device.startswith("cuda") or (cfg.engine.device == "auto" and torch.cuda.is_available()):
+    if on_cuda(cfg.engine.device):
         return "on a GPU the float weights run on tensor cores (model.quant=w8a8, fp8 or int4 to quantize)"
     if cfg.engine.tensor_parallel > 1:
         return "under tensor_parallel > 1 the ranks would time kernels apart (name a scheme to quantize)"
