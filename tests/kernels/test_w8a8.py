@@ -1,4 +1,4 @@
-"""W8A8 kernels against the plain-torch reference (`kernels.w8a8_reference`, exact int64 sums).
+"""W8A8 kernels against the plain-torch reference (`kernels.w8a8_reference`, exact integer sums).
 
 The CPU path (`torch._int_mm`) and the Triton GEMM (under TRITON_INTERPRET=1, small shapes) must equal the
 reference up to float32 rounding of the scaled result; the reference itself must stay within the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.dispatch import w8a8_matmul
 from kernels.w8a8_reference import quantize_rows, w8a8_matmul_reference
@@ -80,3 +81,34 @@ def test_triton_matches_reference(triton_w8a8, m, n, k):
 def test_triton_empty_batch(triton_w8a8):
     q, s = quantize_int8(torch.randn(8, 32))
     assert triton_w8a8.w8a8_matmul_triton(torch.empty(0, 32), q, s).shape == (0, 8)
+
+
+class NoInt64Matmul(TorchDispatchMode):
+    """CUDA has no int64 matmul: fail any matrix product over int64 operands, as a GPU would."""
+
+    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+                torch.ops.aten.matmul.default, torch.ops.aten.dot.default, torch.ops.aten.mv.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.PRODUCTS and any(isinstance(a, torch.Tensor) and a.dtype == torch.int64 for a in args):
+            raise RuntimeError(f"{func}: no int64 matmul on CUDA")
+        return func(*args, **(kwargs or {}))
+
+
+def test_reference_is_exact_without_an_int64_matmul():
+    """The reference must run where a GPU runs it (no int64 matmul) and still sum exactly: the worst case
+    (every product 127 x 127, K = 14336) against sums of elementwise int64 products."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 24, 14336
+    x = torch.randn(5, k, generator=gen)
+    x[0] = 1.0  # quantizes to 127 everywhere
+    w = torch.randn(n, k, generator=gen)
+    q, s = quantize_int8(w)
+    q[0] = 127
+    with NoInt64Matmul():
+        y = w8a8_matmul_reference(x.double(), q, s)
+    qx, sx = quantize_rows(x)
+    exact = (qx.long()[:, None, :] * q.long()[None, :, :]).sum(-1)
+    assert exact[0, 0] == 127 * 127 * k
+    expected = exact.double() * sx.double() * s.double().reshape(1, -1)
+    assert torch.equal(y, expected)
