@@ -2,7 +2,7 @@
 
 For each row count, one pass over every int8 weight of the model (the decoder's linears, then the LM head),
 as a step runs them, the weights streaming from memory: `torch._int_mm` on the plain weights, oneDNN's GEMM
-on weights packed once, and the native VNNI GEMM (`kernels.cpu_int8_gemm`), in alternating rounds so that
+on weights packed once, and the native VNNI GEMM (`kernels.vnni_gemm`), in alternating rounds so that
 a change in the machine's speed lands on all of them. The model picks one of them at load by a shorter
 timing at 128 rows (`pipeline.model.int8_gemm`); this shows the whole range.
 
@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from kernels.cpu_int8_gemm import unavailable_reason
 from kernels.int8_cpu import pack_int8_weight, pack_native_int8_weight
+from kernels.vnni_gemm import unavailable_reason
 from pipeline.model import loader
 from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, gemm_pass, int8_parts
 from pipeline.perf.probe import cpu_flags, probe

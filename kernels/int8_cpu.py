@@ -21,7 +21,7 @@ GFLOP/s.
 The packed weight is an opaque oneDNN tensor that `torch.compile` cannot take as a graph input. Modules
 hold a 0-d int64 handle instead, and the `pipeline::int8_packed_products` operator looks the weight up by
 it: every decoder layer keeps sharing one compiled graph, the handle being an input like the weights. The
-native VNNI GEMM (`kernels.cpu_int8_gemm`), which takes and gives the same, packs its weights behind the
+native VNNI GEMM (`kernels.vnni_gemm`), which takes and gives the same, packs its weights behind the
 same handles (`pack_native_int8_weight`), so the rest of the model does not know which GEMM runs.
 """
 
@@ -33,8 +33,8 @@ import weakref
 
 import torch
 
-from kernels.cpu_int8_gemm import NativeInt8Weight
 from kernels.ops import define_op
+from kernels.vnni_gemm import NativeInt8Weight
 
 
 class OneDNNWeight:
@@ -51,7 +51,7 @@ class OneDNNWeight:
         return _run_packed(u, wscale, self.packed, self.zero_points)
 
 
-# handle -> (packed weight: a OneDNNWeight or a `kernels.cpu_int8_gemm.NativeInt8Weight`, int8 weight bytes); an
+# handle -> (packed weight: a OneDNNWeight or a `kernels.vnni_gemm.NativeInt8Weight`, int8 weight bytes); an
 # entry lives as long as the module that packed it
 _packed: dict[int, tuple[OneDNNWeight | NativeInt8Weight, int]] = {}
 _handles = itertools.count()
@@ -91,7 +91,7 @@ def pack_int8_weight(owner: object, qweight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_native_int8_weight(owner: object, qweight: torch.Tensor) -> torch.Tensor:
-    """Pack qweight int8 [N, K] for the native GEMM (`kernels.cpu_int8_gemm`) and return its handle, as
+    """Pack qweight int8 [N, K] for the native GEMM (`kernels.vnni_gemm`) and return its handle, as
     `pack_int8_weight` does for oneDNN's. Raises RuntimeError where that kernel cannot run."""
     return _register(owner, NativeInt8Weight(qweight), qweight.numel())
 

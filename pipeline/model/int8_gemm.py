@@ -1,5 +1,5 @@
 """W8A8 on CPU: `torch._int_mm` on the plain int8 weights, oneDNN's GEMM on weights packed once
-(`kernels.int8_cpu`) or our own VNNI GEMM on weights packed into its panels (`kernels.cpu_int8_gemm`),
+(`kernels.int8_cpu`) or our own VNNI GEMM on weights packed into its panels (`kernels.vnni_gemm`),
 whichever runs this model's products faster on this CPU, timed at load.
 
 Which wins depends on the CPU. For SmolLM2 at 256 rows, an AMX Xeon ran a step's layer products in 29 ms
@@ -28,8 +28,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.cpu_int8_gemm import NativeInt8Weight
-from kernels.cpu_int8_gemm import unavailable_reason as native_unavailable
 from kernels.dispatch import as_products, int8_outputs
 from kernels.int8_cpu import (
     OneDNNWeight,
@@ -39,6 +37,8 @@ from kernels.int8_cpu import (
     release_packed,
     uint8_activations,
 )
+from kernels.vnni_gemm import NativeInt8Weight
+from kernels.vnni_gemm import unavailable_reason as native_unavailable
 from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.stopwatch import alternating_best, best_seconds
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import cpu_decode_layers, cpu_int8_gemm
+from kernels import cpu_decode_layers, vnni_gemm
 from kernels.cpu_attention import PagedDecodeKernel
 from kernels.cpu_decode_layers import Layer, Linear, Step
-from kernels.cpu_int8_gemm import NativeInt8Weight
 from kernels.int8_cpu import packed_weight
 from kernels.native_build import function_address
+from kernels.vnni_gemm import NativeInt8Weight
 from pipeline.model.quant import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -115,8 +115,8 @@ class NativeDecodeLayers:
         self.shape = dict(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size)
         self.eps = model.layers[0].input_layernorm.eps
-        self.gemm = function_address(cpu_int8_gemm.library().int8_gemm)
-        self.gemm_silu = function_address(cpu_int8_gemm.library().int8_gemm_silu)
+        self.gemm = function_address(vnni_gemm.library().int8_gemm)
+        self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu)
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
         self._scratch = torch.empty(0)
 

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
-from kernels.cpu_int8_gemm import NativeInt8Weight
 from kernels.dispatch import (
     as_products,
     int8_outputs,
@@ -43,6 +42,7 @@ from kernels.dispatch import (
     wq_matmul,
 )
 from kernels.int8_cpu import FULL_RANGE, packed_bytes, packed_weight
+from kernels.vnni_gemm import NativeInt8Weight
 from kernels.wq_cpu import (
     CPU_ACTIVATION_DTYPE,
     CpuPacked,

@@ -87,7 +87,7 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5, min_se
 def measure_int8_gemms(n: int = 1024, reps: int = 5, min_seconds: float = MIN_SECONDS) -> dict[str, float]:
     """Integer OP/s of an n x n x n int8 GEMM (int32 sums) each way W8A8 linears run on CPU: "_int_mm"
     (`torch._int_mm`), "packed" (oneDNN's GEMM on a weight packed once, `kernels.int8_cpu`) and "native"
-    (the VNNI GEMM of `kernels.cpu_int8_gemm`), the last two absent where they cannot run, the weights within
+    (the VNNI GEMM of `kernels.vnni_gemm`), the last two absent where they cannot run, the weights within
     the bound W8A8 quantizes them to on this CPU. The model keeps the fastest at load; without VNNI
     `torch._int_mm` ran ~50x slower than the packed GEMM (4 against ~220 GOP/s on a Zen 3)."""
     bound = w8a8_weight_bound(torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The packed int8 GEMMs (oneDNN's, `kernels.int8_cpu`, and the native VNNI one, `kernels.cpu_int8_gemm`)
+"""The packed int8 GEMMs (oneDNN's, `kernels.int8_cpu`, and the native VNNI one, `kernels.vnni_gemm`)
 against exact integer sums and `torch._int_mm`'s, bit for bit."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from kernels import cpu_int8_gemm, int8_cpu
+from kernels import int8_cpu, vnni_gemm
 from kernels.dispatch import int8_products, w8a8_matmul
 from kernels.int8_cpu import (
     pack_int8_weight,
@@ -27,7 +27,7 @@ SHAPES = [(0, 40, 96), (1, 40, 96), (3, 70, 160), (17, 33, 192), (9, 37, 49), (6
 
 
 def _native(owner: object, qweight: torch.Tensor) -> torch.Tensor:
-    why = cpu_int8_gemm.unavailable_reason()
+    why = vnni_gemm.unavailable_reason()
     if why:
         pytest.skip(f"no native int8 GEMM here: {why}")
     return pack_native_int8_weight(owner, qweight)
@@ -198,7 +198,7 @@ def test_the_native_silu_entry_is_silu_of_the_scaled_gate_times_the_scaled_up(m,
     if smooth:
         expected = expected * vector
     out = torch.full((m, half), float("nan"))
-    library = cpu_int8_gemm.library()
+    library = vnni_gemm.library()
 
     def call(width: int) -> int:
         return library.int8_gemm_silu(u.data_ptr(), k, m, k, native.panels.data_ptr(), native.correction.data_ptr(),
@@ -229,13 +229,13 @@ def test_the_native_gemm_names_what_it_cannot_multiply():
 
 def test_the_native_gemm_says_why_it_is_off(monkeypatch):
     monkeypatch.setenv("PIPELINE_NATIVE_GEMM", "off")
-    cpu_int8_gemm._library_or_reason.cache_clear()
+    vnni_gemm._library_or_reason.cache_clear()
     try:
-        assert cpu_int8_gemm.unavailable_reason() == "PIPELINE_NATIVE_GEMM is off"
+        assert vnni_gemm.unavailable_reason() == "PIPELINE_NATIVE_GEMM is off"
         with pytest.raises(RuntimeError, match="no native int8 GEMM: PIPELINE_NATIVE_GEMM is off"):
             pack_native_int8_weight(Owner(), torch.zeros(4, 8, dtype=torch.int8))
     finally:
-        cpu_int8_gemm._library_or_reason.cache_clear()
+        vnni_gemm._library_or_reason.cache_clear()
 
 
 def test_the_weight_bound_is_exact_in_the_worst_case_and_full_range_weights_beyond_it_would_not_be():

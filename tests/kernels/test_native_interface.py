@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_decode_layers, cpu_int8_gemm
+from kernels import cpu_decode_layers, vnni_gemm
 from kernels.cpu_decode_layers import Layer, Linear, Step
 from kernels.native_build import build_flags, built_library, c_compiler, cpu_identity, source_text
 
@@ -74,15 +74,15 @@ def test_the_kernels_that_need_avx512_say_so_in_a_build_without_it(build):
     compiler = c_compiler()
     if compiler is None or "avx512_vnni" not in cpu_identity().split():
         pytest.skip("needs a C compiler and a CPU with AVX-512 VNNI")
-    reasons = [cpu_int8_gemm.unavailable_reason(), cpu_decode_layers.unavailable_reason()]
+    reasons = [vnni_gemm.unavailable_reason(), cpu_decode_layers.unavailable_reason()]
     if build == "native":
         assert reasons == [None, None]
         return
     flags = shlex.join(build_flags())
     assert "-mno-avx512f" in flags
     assert reasons == [f"{compiler} built {module.SOURCE.name} without AVX-512 VNNI (flags: {flags})"
-                       for module in (cpu_int8_gemm, cpu_decode_layers)]
+                       for module in (vnni_gemm, cpu_decode_layers)]
     with pytest.raises(RuntimeError, match="no native int8 GEMM: .* without AVX-512 VNNI"):
-        cpu_int8_gemm.NativeInt8Weight(torch.zeros(4, 8, dtype=torch.int8))
+        vnni_gemm.NativeInt8Weight(torch.zeros(4, 8, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="no native decode layers: .* without AVX-512 VNNI"):
         cpu_decode_layers.decode_layers((Layer * 1)(), Step(), 0)

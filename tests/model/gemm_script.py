@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_int8_gemm
+from kernels import vnni_gemm
 from pipeline.model import int8_gemm
 from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN
 
@@ -14,7 +14,7 @@ NATIVE_OFF = "off in this test"
 def script_gemm_choice(monkeypatch, winners: dict[str, str], native: bool = False) -> None:
     """Timings where each part's winner (in the order the parts are timed) is the fastest; the native GEMM
     is a candidate only with `native` (skipped where this CPU has none)."""
-    why = cpu_int8_gemm.unavailable_reason()
+    why = vnni_gemm.unavailable_reason()
     if native and why:
         pytest.skip(f"no native int8 GEMM here: {why}")
     monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: None if native else NATIVE_OFF)

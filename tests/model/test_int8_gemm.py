@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from kernels import cpu_int8_gemm, int8_cpu
+from kernels import int8_cpu, vnni_gemm
 from kernels.int8_cpu import packed_gemm_name
 from pipeline.model import int8_gemm
 from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, int8_parts
@@ -73,7 +73,7 @@ def test_compiled_steps_on_packed_weights_equal_those_on_plain_ones(tiny_model_d
 
 
 def test_a_measured_loser_is_freed_and_its_plain_weights_kept(tiny_model_dir, monkeypatch):
-    script_gemm_choice(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN}, native=cpu_int8_gemm.unavailable_reason() is None)
+    script_gemm_choice(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN}, native=vnni_gemm.unavailable_reason() is None)
     before = set(int8_cpu._packed)
     loaded = _load(tiny_model_dir)
     assert set(int8_cpu._packed) <= before
@@ -95,11 +95,11 @@ def test_without_a_packed_kernel_every_part_stays_on_int_mm(tiny_model_dir, monk
 
 
 def test_a_native_gemm_off_by_one_is_refused_on_the_screening_slice(tiny_model_dir, monkeypatch):
-    why = cpu_int8_gemm.unavailable_reason()
+    why = vnni_gemm.unavailable_reason()
     if why:
         pytest.skip(f"no native int8 GEMM here: {why}")
-    products = cpu_int8_gemm.NativeInt8Weight.products
-    monkeypatch.setattr(cpu_int8_gemm.NativeInt8Weight, "products", lambda self, u, s: products(self, u, s) + 1)
+    products = vnni_gemm.NativeInt8Weight.products
+    monkeypatch.setattr(vnni_gemm.NativeInt8Weight, "products", lambda self, u, s: products(self, u, s) + 1)
     chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
     for text in chosen.values():
         assert "native VNNI's products differ from torch._int_mm's exact sums on one weight's slice: not used" in text
@@ -146,4 +146,4 @@ def test_the_measurement_times_each_gemm_on_the_models_own_weights(tiny_model_di
         figures = {name: float(ms) for ms, name in re.findall(rf"([\d.]+) ms {gemm}", timed.group(2))}
         # the figures are rounded (the tiny model's products take hundredths of a ms): the winner's may tie
         assert figures[timed.group(1)] == min(figures.values()) and PLAIN in figures
-        assert (NATIVE in figures) == (cpu_int8_gemm.unavailable_reason() is None)
+        assert (NATIVE in figures) == (vnni_gemm.unavailable_reason() is None)

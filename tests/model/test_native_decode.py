@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import cpu_decode_layers, cpu_int8_gemm, dispatch
+from kernels import cpu_decode_layers, dispatch, vnni_gemm
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -143,7 +143,7 @@ def test_the_mlp_activation_from_the_gemms_tiles_gives_the_stored_products_bits(
                                                                                  monkeypatch):
     """An MLP width that is a multiple of the GEMM's panel takes the fused gate_up + SiLU entry: the same
     hidden states as the torch layers, and the same bits as the native layers with that entry refused."""
-    checkpoint = build_tiny_checkpoint(tmp_path / "wide", seed=3, intermediate_size=4 * cpu_int8_gemm.PANEL)
+    checkpoint = build_tiny_checkpoint(tmp_path / "wide", seed=3, intermediate_size=4 * vnni_gemm.PANEL)
     runs = []
     for fused in (True, False):
         loaded = load_model(checkpoint, quant="w8a8")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_int8_gemm
+from kernels import vnni_gemm
 from kernels.dispatch import w8a8_weight_bound
 from kernels.int8_cpu import pack_int8_weight, pack_native_int8_weight
 from kernels.w8a8_reference import w8a8_matmul_reference
@@ -250,8 +250,8 @@ def test_smoothed_int8_head_is_the_w8a8_product_of_the_smoothed_split_columns():
 
 def _pack_head(head: QuantLMHead, gemm: str) -> None:
     """Put the int8 head on `gemm`: "int_mm" (its plain int8 weight), "onednn" or "native" (packed)."""
-    if gemm == "native" and cpu_int8_gemm.unavailable_reason():
-        pytest.skip(f"no native int8 GEMM here: {cpu_int8_gemm.unavailable_reason()}")
+    if gemm == "native" and vnni_gemm.unavailable_reason():
+        pytest.skip(f"no native int8 GEMM here: {vnni_gemm.unavailable_reason()}")
     pack = {"onednn": pack_int8_weight, "native": pack_native_int8_weight}.get(gemm)
     if pack is not None:
         head.use_packed_int8(pack(head, head.fast_weight))
