@@ -14,6 +14,9 @@ every kernel reads keys and values in place through the block table, nothing is 
   and the two partials merge by log-sum-exp like splits do.
 - `paged_prefill`: the query rows of each (chunked) prefill sequence attend causally to all their keys
   in the cache (earlier chunks included); the chunk's own K/V must already be stored.
+- A sliding window (`window`, Mistral's rule: the query at position p sees keys p - window < j <= p) is
+  a runtime argument of the decode and prefill kernels: blocks wholly before a row's window are not read.
+  Shared-prefix decode takes no window (the caller forms no prefix groups for a windowed model).
 
 Arithmetic is float32 (scores, softmax, accumulation); the reference implementations are in
 `kernels.paged_attention_reference`.
@@ -34,6 +37,15 @@ def _interpreting() -> bool:
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+NO_WINDOW = 2**31 - 1  # the kernels' window argument for full attention: every key is within it
+
+
+def _window_arg(window: int | None) -> int:
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be a positive number of positions, got {window}")
+    return NO_WINDOW if window is None else window
 
 
 @triton.jit
@@ -60,7 +72,7 @@ def _store_partial(o_ptrs, lse_ptrs, acc, m, l, mask_q, mask_o):  # noqa: E741
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, start_ptr, o_ptr, lse_ptr,
-    scale,
+    scale, window,
     stride_qb, stride_qh, stride_kh, stride_kb, stride_kt, stride_tb,
     stride_os, stride_ob, stride_oh, stride_ls, stride_lb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -70,7 +82,8 @@ def _decode_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    first = tl.load(start_ptr + b)
+    first_key = tl.maximum(ctx - window, 0)  # the query at ctx - 1 sees keys first_key..ctx - 1
+    first = tl.maximum(tl.load(start_ptr + b), first_key // BLOCK_SIZE)
     end = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
     per_split = (tl.maximum(end - first, 0) + NUM_SPLITS - 1) // NUM_SPLITS
     lo = first + split * per_split
@@ -88,7 +101,7 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for j in range(lo, hi):
         block = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
-        key_ok = j * BLOCK_SIZE + t < ctx
+        key_ok = (j * BLOCK_SIZE + t < ctx) & (j * BLOCK_SIZE + t >= first_key)
         offs = h.to(tl.int64) * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
@@ -179,12 +192,13 @@ def _merge_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, lens_ptr, tile_seq_ptr, tile_row_ptr, o_ptr,
-    scale,
+    scale, window,
     stride_qt, stride_qh, stride_kh, stride_kb, stride_kt, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_M query rows of one sequence, one query head: causal attention over the cached keys."""
+    """BLOCK_M query rows of one sequence, one query head: causal attention over the cached keys (those
+    within `window` positions of each row)."""
     tile = tl.program_id(0)
     hq = tl.program_id(1)
     h = hq // GROUP
@@ -207,7 +221,8 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     last = tl.minimum(row0 + BLOCK_M, q_end) - 1
     n_blocks = (ctx - (q_end - last) + BLOCK_SIZE) // BLOCK_SIZE  # blocks up to the tile's last position
-    for j in range(0, n_blocks):
+    first_block = tl.maximum(ctx - (q_end - row0) - window + 1, 0) // BLOCK_SIZE  # the first row's window
+    for j in range(first_block, n_blocks):
         block = tl.load(tables_ptr + seq * stride_tb + j).to(tl.int64)
         k_pos = j * BLOCK_SIZE + t
         offs = h.to(tl.int64) * stride_kh + block * stride_kb + t[:, None] * stride_kt + d[None, :]
@@ -218,7 +233,7 @@ def _prefill_kernel(
             scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & row_ok[:, None]
         scores = tl.where(visible, scores, float("-inf"))
         p, alpha, m, l = _online_softmax_step(scores, m, l)  # noqa: E741
         if DOT_FP32:
@@ -253,16 +268,16 @@ def decode_splits(batch_rows: int, num_kv_heads: int, max_blocks: int, num_sms: 
 def paged_decode_partial(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, start_blocks: torch.Tensor, o_parts: torch.Tensor, lse_parts: torch.Tensor,
-    scale: float,
+    scale: float, window: int | None = None,
 ) -> None:
     """Fill o_parts [S, B, Hq, D] and lse_parts [S, B, Hq] (float32): split s of row b covers its share of
-    blocks start_blocks[b] .. ceil(context_lens[b] / block_size) - 1. S = o_parts.shape[0]."""
+    blocks start_blocks[b] .. ceil(context_lens[b] / block_size) - 1, keys within `window` of the last."""
     group, block_size, dim = _check_pools(q, k_pool, v_pool)
     b, hq = q.shape[:2]
     splits = o_parts.shape[0]
     _decode_kernel[(b, hq // group, splits)](
         q, k_pool, v_pool, block_tables, context_lens, start_blocks, o_parts, lse_parts,
-        scale,
+        scale, _window_arg(window),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
         o_parts.stride(0), o_parts.stride(1), o_parts.stride(2), lse_parts.stride(0), lse_parts.stride(1),
         GROUP=group, GROUP_PAD=_pow2(group), HEAD_DIM=dim, D_PAD=_pow2(dim), BLOCK_SIZE=block_size,
@@ -320,18 +335,21 @@ def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Te
 def paged_decode(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (one token per sequence, its K/V already stored) over each row's
-    context_lens[b] keys: [B, Hq, D] in q's dtype. num_splits > 1 splits each row's blocks (split-K)."""
+    context_lens[b] keys (the last `window` of them): [B, Hq, D] in q's dtype. num_splits > 1 splits each
+    row's blocks (split-K)."""
     out = torch.empty_like(q) if out is None else out
     start = torch.zeros_like(context_lens)
     if num_splits == 1:  # the kernel's normalized output is the answer
         lse = torch.empty(1, *q.shape[:2], dtype=torch.float32, device=q.device)
-        paged_decode_partial(q, k_pool, v_pool, block_tables, context_lens, start, out.unsqueeze(0), lse, scale)
+        paged_decode_partial(q, k_pool, v_pool, block_tables, context_lens, start, out.unsqueeze(0), lse, scale,
+                             window)
         return out
     o_parts = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_splits, *q.shape[:2], dtype=torch.float32, device=q.device)
-    paged_decode_partial(q, k_pool, v_pool, block_tables, context_lens, start, o_parts, lse, scale)
+    paged_decode_partial(q, k_pool, v_pool, block_tables, context_lens, start, o_parts, lse, scale, window)
     return merge_partials(o_parts, lse, out)
 
 
@@ -348,17 +366,17 @@ def prefill_block_m() -> int:
 def paged_prefill(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
     query_start: torch.Tensor, context_lens: torch.Tensor, tiles: torch.Tensor, scale: float, block_m: int,
-    out: torch.Tensor,
+    out: torch.Tensor, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of flat query rows q [T, Hq, D]: sequence b owns rows query_start[b]:query_start[b+1]
-    at positions context_lens[b] - n .. context_lens[b] - 1. Only the rows covered by `tiles` [2, N]
-    ((sequence, first row) pairs from `prefill_tiles`) are written into out."""
+    at positions context_lens[b] - n .. context_lens[b] - 1 (each seeing its last `window` keys). Only the
+    rows covered by `tiles` [2, N] ((sequence, first row) pairs from `prefill_tiles`) are written into out."""
     group, block_size, dim = _check_pools(q, k_pool, v_pool)
     if tiles.shape[1] == 0:
         return out
     _prefill_kernel[(tiles.shape[1], q.shape[1])](
         q, k_pool, v_pool, block_tables, query_start, context_lens, tiles[0], tiles[1], out,
-        scale,
+        scale, _window_arg(window),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, D_PAD=_pow2(dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,

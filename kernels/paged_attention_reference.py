@@ -31,12 +31,13 @@ def attention_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     return torch.einsum("nhl,hld->nhd", probs, values[heads]), lse
 
 
-def paged_decode_reference(q, k_pool, v_pool, block_tables, context_lens, scale) -> torch.Tensor:
-    """[B, Hq, D] in q's dtype: row b's query over its context_lens[b] keys."""
+def paged_decode_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window=None) -> torch.Tensor:
+    """[B, Hq, D] in q's dtype: row b's query over its context_lens[b] keys (the last `window` of them)."""
     out = torch.empty_like(q)
     for b, length in enumerate(context_lens.tolist()):
-        keys = gather_keys(k_pool, block_tables[b], 0, length)
-        values = gather_keys(v_pool, block_tables[b], 0, length)
+        first = 0 if window is None else max(0, length - window)
+        keys = gather_keys(k_pool, block_tables[b], first, length)
+        values = gather_keys(v_pool, block_tables[b], first, length)
         out[b] = attention_part(q[b : b + 1], keys, values, scale)[0][0].to(q.dtype)
     return out
 
@@ -62,8 +63,10 @@ def merge_reference(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch
     return (w[..., None] * torch.stack(outs)).sum(0) / w.sum(0).clamp_min(1e-30)[..., None]
 
 
-def paged_prefill_reference(q, k_pool, v_pool, block_tables, query_start, context_lens, first_seq, scale):
-    """Rows of sequences first_seq.. of flat q [T, Hq, D]: causal attention over their cached keys."""
+def paged_prefill_reference(q, k_pool, v_pool, block_tables, query_start, context_lens, first_seq, scale,
+                            window=None):
+    """Rows of sequences first_seq.. of flat q [T, Hq, D]: causal attention over their cached keys (the
+    query at p sees keys p - window < j <= p with a window)."""
     out = torch.zeros_like(q)
     starts, lens = query_start.tolist(), context_lens.tolist()
     for b in range(first_seq, len(lens)):
@@ -71,6 +74,9 @@ def paged_prefill_reference(q, k_pool, v_pool, block_tables, query_start, contex
         keys = gather_keys(k_pool, block_tables[b], 0, length)
         values = gather_keys(v_pool, block_tables[b], 0, length)
         q_pos = torch.arange(length - (hi - lo), length, device=q.device)
-        visible = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        visible = k_pos <= q_pos[:, None]
+        if window is not None:
+            visible &= k_pos > q_pos[:, None] - window
         out[lo:hi] = attention_part(q[lo:hi], keys, values, scale, visible)[0].to(q.dtype)
     return out

@@ -72,9 +72,11 @@ SEGMENTS = ("input_ids", "positions", "slots", "context_lens", "start_blocks", "
 
 
 def plan_step(batch: StepBatch, block_size: int, num_kv_heads: int, num_sms: int, group: int,
-              pad_to: int | None = None, table_width: int | None = None, scratch_slot: int = 0) -> StepPlan:
+              pad_to: int | None = None, table_width: int | None = None, scratch_slot: int = 0,
+              window: int | None = None) -> StepPlan:
     """Lay out everything a step needs from the host batch. pad_to/table_width: a CUDA graph bucket's fixed
-    shapes (decode-only batches), padding rows pointing at `scratch_slot` with no keys."""
+    shapes (decode-only batches), padding rows pointing at `scratch_slot` with no keys. window: the model's
+    sliding window (no shared-prefix groups: rows of a group see different keys of the prefix)."""
     if batch.input_ids.device.type != "cpu":
         raise ValueError("plan_step takes the host batch from build_batch (CPU tensors)")
     d, t = batch.num_decodes, batch.num_tokens
@@ -90,9 +92,11 @@ def plan_step(batch: StepBatch, block_size: int, num_kv_heads: int, num_sms: int
         "query_start": batch.query_start, "logits_rows": batch.logits_rows,
     }
     max_blocks = max((-(-n // block_size) for n in lens[:d]), default=1)
+    if window is not None:  # blocks a row reads: those overlapping its last `window` keys
+        max_blocks = min(max_blocks, -(-window // block_size) + 1)
     start = [0] * d
     groups: list[tuple[list[int], int]] = []
-    if pad_to is None and d:
+    if pad_to is None and d and window is None:
         groups = shared_prefixes(tables[:d].tolist(), lens[:d], block_size)
         for rows, shared in groups:
             for r in rows:
@@ -118,7 +122,7 @@ def plan_step(batch: StepBatch, block_size: int, num_kv_heads: int, num_sms: int
             seg[name] = torch.cat([seg[name], torch.full((pad,), value, dtype=torch.long)])
         seg["block_tables"] = torch.cat([seg["block_tables"], torch.zeros(pad * width, dtype=torch.long)])
         seg["query_start"] = seg["logits_rows"] = seg["prefill_tiles"] = empty
-        max_blocks = width
+        max_blocks = width if window is None else min(width, -(-window // block_size) + 1)
         d = t = pad_to
     parts = [seg[name].to(torch.long) for name in SEGMENTS]
     return StepPlan(
@@ -166,16 +170,18 @@ class StepViews:
 
 class TritonPagedAttention:
     """`AttentionBackend` on the Triton kernels over per-layer pools [Hkv, num_blocks + 1, block_size, D];
-    the extra last block is scratch for the K/V of graph padding rows. `step` is set per step."""
+    the extra last block is scratch for the K/V of graph padding rows. `step` is set per step. window: the
+    model's sliding window (None: full attention)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, scale: float):
+                 dtype: torch.dtype, device: torch.device, scale: float, window: int | None = None):
         shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
         self.scratch_slot = num_blocks * block_size
         self.scale = scale
+        self.window = window
         self.step: StepViews | None = None
         self.attention_seconds = 0.0  # not measured: the kernels run asynchronously (model_time covers them)
 
@@ -194,7 +200,7 @@ class TritonPagedAttention:
             self._decode(q[:d], kp, vp, step, out[:d])
         if plan.num_prefill_tiles:
             paged_prefill(q, kp, vp, step.block_tables, step.query_start, step.context_lens, step.prefill_tiles,
-                          self.scale, prefill_block_m(), out)
+                          self.scale, prefill_block_m(), out, self.window)
         return out
 
     def _decode(self, q, kp, vp, step: StepViews, out: torch.Tensor) -> None:
@@ -204,11 +210,13 @@ class TritonPagedAttention:
         tables, lens = step.block_tables[:d], step.context_lens[:d]
         if parts == 1:  # the kernel's normalized output is the answer
             lse = torch.empty(1, *q.shape[:2], dtype=torch.float32, device=q.device)
-            paged_decode_partial(q, kp, vp, tables, lens, step.start_blocks, out.unsqueeze(0), lse, self.scale)
+            paged_decode_partial(q, kp, vp, tables, lens, step.start_blocks, out.unsqueeze(0), lse, self.scale,
+                                 self.window)
             return
         o_parts = torch.empty(parts, *q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(parts, *q.shape[:2], dtype=torch.float32, device=q.device)
-        paged_decode_partial(q, kp, vp, tables, lens, step.start_blocks, o_parts[:splits], lse[:splits], self.scale)
+        paged_decode_partial(q, kp, vp, tables, lens, step.start_blocks, o_parts[:splits], lse[:splits], self.scale,
+                             self.window)
         if plan.prefix_groups:
             o_parts[splits].zero_()
             lse[splits].fill_(float("-inf"))  # rows in no group: the part weighs nothing
@@ -233,7 +241,7 @@ class GpuRunner:
         self.num_kv_heads = cfg.num_kv_heads // model.tp.size
         self.group = cfg.num_heads // cfg.num_kv_heads
         self.attn = TritonPagedAttention(cfg.num_layers, num_blocks, block_size, self.num_kv_heads, cfg.head_dim,
-                                         model.dtype, device, model.scale)
+                                         model.dtype, device, model.scale, cfg.sliding_window)
         is_cuda = device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 1
         max_len = max_model_len or cfg.max_position_embeddings
@@ -272,7 +280,8 @@ class GpuRunner:
 
     def _plan(self, batch: StepBatch, bucket: int | None = None) -> StepPlan:
         return plan_step(batch, self.block_size, self.num_kv_heads, self.num_sms, self.group, pad_to=bucket,
-                         table_width=self.graph_table_width if bucket else None, scratch_slot=self.attn.scratch_slot)
+                         table_width=self.graph_table_width if bucket else None, scratch_slot=self.attn.scratch_slot,
+                         window=self.attn.window)
 
     def run(self, plan: StepPlan, device_flat: torch.Tensor) -> torch.Tensor:
         """The device part of a step (no host reads): model, then the logits of the sampling rows."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -75,6 +76,22 @@ def test_engine_on_triton_kernels_matches_reference(tiny, monkeypatch):
     assert any(p.prefix_groups for p in plans), "no step used the shared-prefix pass"
     assert any(p.num_splits > 1 for p in plans), "no step split a row's blocks"
     assert any(p.num_prefill_tiles and p.num_decodes for p in plans), "no mixed prefill + decode step"
+
+
+def test_sliding_window_model_on_triton_kernels_matches_reference(monkeypatch):
+    """A Mistral-style window shorter than the prompts: chunked prefill and split-K decode see only each
+    query's last `window` keys, as the contiguous reference does (shared-prefix groups are not formed)."""
+    monkeypatch.setattr(runner, "MIN_SAVED_BLOCKS", 1)
+    loaded = build_tiny(seed=2)
+    loaded.model.config = loaded.config = replace(loaded.config, sliding_window=12)
+    shared = random_prompts(1, 40, 40, seed=6)[0]
+    prompts = [shared + tail for tail in random_prompts(2, 3, 9, seed=7)] + random_prompts(2, 20, 45, seed=8)
+    sp = SamplingParams(max_tokens=8)
+    engine = Engine(loaded, EngineConfig(kv_cache_memory="8MiB", block_size=BLOCK, max_batched_tokens=32),
+                    make_runner=interpreted_runner(num_sms=64))
+    results = {r.id: r.token_ids for r in engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])}
+    for i, p in enumerate(prompts):
+        assert results[i] == greedy(loaded.model, p, 8, stop_token_ids=[EOS]), i
 
 
 SYNCING = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,

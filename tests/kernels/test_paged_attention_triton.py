@@ -156,6 +156,77 @@ def test_prefill_equals_reference(block_size, hq, hkv):
     assert torch.equal(out[:2], torch.zeros_like(out[:2]))  # decode rows are not the prefill kernel's
 
 
+def poison_before_window(pools_, tables, first_keys, block_size):
+    """NaN in every block wholly before each row's first visible key: one read of it would spread NaN."""
+    for b, first in enumerate(first_keys):
+        for j in range(first // block_size):
+            for pool in pools_:
+                pool[:, tables[b, j]] = float("nan")
+
+
+@pytest.mark.parametrize("window", [5, 16, 40])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_windowed_decode_equals_reference(window, splits):
+    """Each row sees its last `window` keys; blocks wholly before that are never read."""
+    block_size, hq, hkv = 16, 6, 2
+    lens = [3, 17, 60, 95, 40]
+    k_pool, v_pool = pools(hkv, block_size, seed=window)
+    tables = random_tables(lens, block_size, seed=window + splits)
+    q = torch.randn(len(lens), hq, DIM, generator=torch.Generator().manual_seed(window))
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    ref = paged_decode_reference(q, k_pool, v_pool, tables, ctx, SCALE, window)
+    poison_before_window((k_pool, v_pool), tables, [max(0, n - window) for n in lens], block_size)
+    out = pa.paged_decode(q, k_pool, v_pool, tables, ctx, SCALE, num_splits=splits, window=window)
+    assert (out - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("window", [4, 16, 33])
+def test_windowed_prefill_equals_reference(window):
+    """Chunks longer and shorter than the window, after cached context: the query at p sees keys
+    p - window < j <= p, and blocks before the chunk's first window are never read."""
+    block_size, hq, hkv = 16, 4, 2
+    lens = [9, 30, 50, 80]
+    new = [1, 30, 7, 40]
+    k_pool, v_pool = pools(hkv, block_size, seed=window)
+    tables = random_tables(lens, block_size, seed=window)
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, DIM, generator=torch.Generator().manual_seed(window))
+    query_start = torch.tensor(starts, dtype=torch.int32)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    block_m = pa.prefill_block_m()
+    tiles = torch.tensor(pa.prefill_tiles(starts, 1, block_m), dtype=torch.int32).T.contiguous()
+    ref = paged_prefill_reference(q, k_pool, v_pool, tables, query_start, ctx, 1, SCALE, window)
+    firsts = [max(0, n - m - window + 1) for n, m in zip(lens, new)]
+    poison_before_window((k_pool, v_pool), tables, firsts, block_size)
+    out = pa.paged_prefill(q, k_pool, v_pool, tables, query_start, ctx, tiles, SCALE, block_m, torch.zeros_like(q),
+                           window=window)
+    assert (out[new[0]:] - ref[new[0]:]).abs().max().item() < TOL
+
+
+def test_window_reference_is_mistral_rule():
+    """The windowed references against explicit key lists: the query at p sees p - window < j <= p."""
+    k_pool, v_pool = pools(1, 16, seed=4)
+    tables = random_tables([40], 16, seed=4)
+    q = torch.randn(40, 2, DIM, generator=torch.Generator().manual_seed(4))
+    prefill = paged_prefill_reference(q, k_pool, v_pool, tables, torch.tensor([0, 40]), torch.tensor([40]), 0,
+                                      SCALE, window=7)
+    for p in (0, 6, 7, 39):
+        keys = gather_keys(k_pool, tables[0], max(0, p - 6), p + 1)
+        values = gather_keys(v_pool, tables[0], max(0, p - 6), p + 1)
+        assert torch.allclose(prefill[p], attention_part(q[p : p + 1], keys, values, SCALE)[0][0], atol=1e-6)
+    decode = paged_decode_reference(q[39:], k_pool, v_pool, tables, torch.tensor([40]), SCALE, window=7)
+    assert torch.allclose(decode[0], prefill[39], atol=1e-6)
+
+
+def test_rejects_a_window_without_positions():
+    k_pool, v_pool = pools(1, 16)
+    with pytest.raises(ValueError, match="sliding window"):
+        pa.paged_decode(torch.zeros(1, 2, DIM), k_pool, v_pool, torch.zeros(1, 1, dtype=torch.int32),
+                        torch.ones(1, dtype=torch.int32), SCALE, window=0)
+
+
 def test_prefix_tiles_cover_each_group_in_order():
     assert pa.prefix_tiles([3, 1, 4], 2) == [(0, 0, 2), (0, 2, 3), (1, 3, 4), (2, 4, 6), (2, 6, 8)]
 
