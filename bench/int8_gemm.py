@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from kernels.int8_cpu import pack_int8_weight, pack_native_int8_weight
+from kernels.packed_int8 import pack_int8_weight, pack_native_int8_weight
 from kernels.vnni_gemm import unavailable_reason
 from pipeline.model import loader
 from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, gemm_pass, int8_parts

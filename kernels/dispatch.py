@@ -3,7 +3,7 @@
 Weight-only: on CPU, weights already converted for torch's kernels (`CpuPacked`, bfloat16 activations) run
 there; otherwise the weight is dequantized in float32 (bit-exact, the reference path) and multiplied densely.
 W8A8 (`kernels.w8a8_reference`): on CPU `torch._int_mm` (oneDNN's int8 GEMM, VNNI/AMX where present) or,
-where the model measured it faster, oneDNN's GEMM on a weight packed once (`kernels.int8_cpu`); the Triton
+where the model measured it faster, oneDNN's GEMM on a weight packed once (`kernels.packed_int8`); the Triton
 int8 GEMM on CUDA.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int8_cpu import FULL_RANGE, packed_int8_products, weight_bound
+from kernels.packed_int8 import FULL_RANGE, packed_int8_products, weight_bound
 from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_matmul
 from kernels.wq_reference import dequantize
@@ -47,7 +47,7 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor | None, wscale: torch.Ten
 
 def w8a8_weight_bound(device: torch.device) -> int:
     """The |int8 weight| W8A8 weights on `device` are quantized to: the full 127, or on CPU the bound
-    oneDNN's packed GEMM multiplies exactly (`kernels.int8_cpu.weight_bound`: 63 without VNNI), so that the
+    oneDNN's packed GEMM multiplies exactly (`kernels.packed_int8.weight_bound`: 63 without VNNI), so that the
     faster GEMM stays open to them."""
     if device.type != "cpu":
         return FULL_RANGE

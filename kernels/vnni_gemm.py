@@ -1,7 +1,7 @@
 """The native W8A8 GEMM for CPUs with AVX-512 VNNI (`kernels/cpu_int8_gemm.c`), on a weight packed once
 into its panels.
 
-It takes what oneDNN's packed GEMM takes (uint8 activations with zero point 128, `kernels.int8_cpu`) and
+It takes what oneDNN's packed GEMM takes (uint8 activations with zero point 128, `kernels.packed_int8`) and
 gives the same bits: float32 exact int32 sums x the column's scale. Why a kernel of our own: at the row
 counts decode steps run (64-256), with a step's weights streaming from memory, oneDNN's int8 GEMMs
 (`torch._int_mm` and the packed one) reached 55-87% of this class of CPU's int8 peak, and 64 rows were the

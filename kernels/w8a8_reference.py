@@ -15,7 +15,7 @@ import torch
 def quantize_rows(x: torch.Tensor, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (q [M, K], scale float32 [M, 1]); an all-zero row gets scale 1 (q = 0). q is int8
     (zero_point 0) or, with zero_point=128, uint8 q + 128: the input oneDNN's u8 x s8 GEMM takes
-    (`kernels.int8_cpu`), rounded straight to it so that a compiled step writes it in its vectorized
+    (`kernels.packed_int8`), rounded straight to it so that a compiled step writes it in its vectorized
     rounding loop."""
     if zero_point not in (0, 128):
         raise ValueError(f"quantize_rows: zero_point must be 0 (int8) or 128 (uint8), got {zero_point}")

@@ -8,7 +8,7 @@ what earlier ones got wrong. The scales stay those of round-to-nearest (max |w| 
 bound), so the layout, the kernels and the bound a CPU's int8 GEMM needs are unchanged.
 
 It pays where the levels are few: on CPUs whose int8 GEMM holds weights to 7 bits
-(`kernels.int8_cpu.weight_bound`), SmolLM2's W8A8 perplexity over 2,048 held-out tokens went from +2.95%
+(`kernels.packed_int8.weight_bound`), SmolLM2's W8A8 perplexity over 2,048 held-out tokens went from +2.95%
 over float32 with nearest rounding to +1.35% with this. At 8 bits it showed no gain (512 calibration tokens
 leave the Gram matrix of a 1,536-channel input rank-deficient), so the load uses it for 7-bit weights only.
 """

@@ -1,5 +1,5 @@
 """W8A8 on CPU: `torch._int_mm` on the plain int8 weights, oneDNN's GEMM on weights packed once
-(`kernels.int8_cpu`) or our own VNNI GEMM on weights packed into its panels (`kernels.vnni_gemm`),
+(`kernels.packed_int8`) or our own VNNI GEMM on weights packed into its panels (`kernels.vnni_gemm`),
 whichever runs this model's products faster on this CPU, timed at load.
 
 Which wins depends on the CPU. For SmolLM2 at 256 rows, an AMX Xeon ran a step's layer products in 29 ms
@@ -15,10 +15,10 @@ layer's in cache). Before that, a few calls each on a slice of one weight screen
 on oneDNN's reference kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed the weight but multiplied it
 with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it took 9 minutes of the load.
 The same calls check each packed GEMM's products against the exact sums, bit for bit (a kernel that
-saturates is refused; `kernels.int8_cpu.weight_bound` keeps the weights within what it multiplies exactly).
+saturates is refused; `kernels.packed_int8.weight_bound` keeps the weights within what it multiplies exactly).
 
 Without VNNI (an AVX2 Zen 3) the roles turn: `torch._int_mm` ran on a reference kernel (~3 GOP/s) and the
-packed GEMM at ~125-320, on 7-bit weights (`kernels.int8_cpu`).
+packed GEMM at ~125-320, on 7-bit weights (`kernels.packed_int8`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kernels.dispatch import as_products, int8_outputs
-from kernels.int8_cpu import (
+from kernels.packed_int8 import (
     OneDNNWeight,
     pack_int8_weight,
     pack_native_int8_weight,

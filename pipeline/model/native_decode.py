@@ -23,8 +23,8 @@ from torch import nn
 from kernels import cpu_decode_layers, vnni_gemm
 from kernels.cpu_attention import PagedDecodeKernel
 from kernels.cpu_decode_layers import Layer, Linear, Step
-from kernels.int8_cpu import packed_weight
 from kernels.native_build import function_address
+from kernels.packed_int8 import packed_weight
 from kernels.vnni_gemm import NativeInt8Weight
 from pipeline.model.quant import QuantLinear
 

@@ -41,7 +41,7 @@ from kernels.dispatch import (
     w8a8_weight_bound,
     wq_matmul,
 )
-from kernels.int8_cpu import FULL_RANGE, packed_bytes, packed_weight
+from kernels.packed_int8 import FULL_RANGE, packed_bytes, packed_weight
 from kernels.vnni_gemm import NativeInt8Weight
 from kernels.wq_cpu import (
     CPU_ACTIVATION_DTYPE,
@@ -304,7 +304,7 @@ class QuantLinear(ParallelLinear):
     @property
     def int8_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """The W8A8 weight as W8A8 calls read it: int8 [N, K] (None once packed), scales [N, 1] and the
-        oneDNN handle (`kernels.int8_cpu`; None while unpacked)."""
+        oneDNN handle (`kernels.packed_int8`; None while unpacked)."""
         return self.w8a8_weight, self.w8a8_scales, self.w8a8_packed
 
     def use_packed_int8(self, handle: torch.Tensor) -> None:
@@ -561,7 +561,7 @@ def drop_weight_only_layouts(model: nn.Module) -> int:
 
 
 def packed_int8_bytes(module: nn.Module) -> int:
-    """Bytes of the oneDNN-packed int8 weights in `module` (`kernels.int8_cpu`), which its state_dict holds
+    """Bytes of the oneDNN-packed int8 weights in `module` (`kernels.packed_int8`), which its state_dict holds
     only as handles."""
     total = 0
     for m in module.modules():

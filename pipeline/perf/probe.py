@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from kernels.dispatch import w8a8_weight_bound
-from kernels.int8_cpu import (
+from kernels.packed_int8 import (
     pack_int8_weight,
     pack_native_int8_weight,
     packed_int8_products,
@@ -86,7 +86,7 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 5, min_se
 
 def measure_int8_gemms(n: int = 1024, reps: int = 5, min_seconds: float = MIN_SECONDS) -> dict[str, float]:
     """Integer OP/s of an n x n x n int8 GEMM (int32 sums) each way W8A8 linears run on CPU: "_int_mm"
-    (`torch._int_mm`), "packed" (oneDNN's GEMM on a weight packed once, `kernels.int8_cpu`) and "native"
+    (`torch._int_mm`), "packed" (oneDNN's GEMM on a weight packed once, `kernels.packed_int8`) and "native"
     (the VNNI GEMM of `kernels.vnni_gemm`), the last two absent where they cannot run, the weights within
     the bound W8A8 quantizes them to on this CPU. The model keeps the fastest at load; without VNNI
     `torch._int_mm` ran ~50x slower than the packed GEMM (4 against ~220 GOP/s on a Zen 3)."""
@@ -95,7 +95,7 @@ def measure_int8_gemms(n: int = 1024, reps: int = 5, min_seconds: float = MIN_SE
     b = torch.randint(-bound, bound + 1, (n, n), dtype=torch.int8)
     ops = 2 * n**3
     figures = {"_int_mm": ops / best_seconds(lambda: torch._int_mm(a, b.t()), reps, min_seconds)}
-    scales, u = torch.ones(n), uint8_activations(a)  # as steps pass them (`kernels.int8_cpu`)
+    scales, u = torch.ones(n), uint8_activations(a)  # as steps pass them (`kernels.packed_int8`)
     for name, pack in (("packed", pack_int8_weight), ("native", pack_native_int8_weight)):
         try:
             handle = pack(b, b)

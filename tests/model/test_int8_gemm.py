@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from kernels import int8_cpu, vnni_gemm
-from kernels.int8_cpu import packed_gemm_name
+from kernels import packed_int8, vnni_gemm
+from kernels.packed_int8 import packed_gemm_name
 from pipeline.model import int8_gemm
 from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, int8_parts
 from pipeline.model.llama import cpp_compiler
@@ -35,7 +35,7 @@ def test_each_part_keeps_the_fastest_gemm_and_the_logits_stay_bit_for_bit(tiny_m
     native = NATIVE in winners.values()
     script_gemm_choice(monkeypatch, winners, native=native)
     monkeypatch.setattr(int8_gemm, "TIMED_LAYERS", 1)  # of the tiny model's 2: the other is packed untimed
-    before = set(int8_cpu._packed)
+    before = set(packed_int8._packed)
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
     assert list(chosen) == ["layers", "lm_head"]
@@ -52,7 +52,7 @@ def test_each_part_keeps_the_fastest_gemm_and_the_logits_stay_bit_for_bit(tiny_m
             assert handle is None or packed_gemm_name(handle) == winner
     handles = [m.int8_layout[2] for part in int8_parts(loaded.model).values() for m in part]
     handles = [int(h) for h in handles if h is not None]
-    assert set(int8_cpu._packed) - before == set(handles)  # the losers' packed copies are freed
+    assert set(packed_int8._packed) - before == set(handles)  # the losers' packed copies are freed
     # each packed copy replaces a plain one and is counted as its bytes; the handles are 8 bytes each
     assert loaded.weight_bytes == plain.weight_bytes + 8 * len(handles)
     assert torch.equal(prompt_logits(loaded.model, IDS), prompt_logits(plain.model, IDS))
@@ -74,9 +74,9 @@ def test_compiled_steps_on_packed_weights_equal_those_on_plain_ones(tiny_model_d
 
 def test_a_measured_loser_is_freed_and_its_plain_weights_kept(tiny_model_dir, monkeypatch):
     script_gemm_choice(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN}, native=vnni_gemm.unavailable_reason() is None)
-    before = set(int8_cpu._packed)
+    before = set(packed_int8._packed)
     loaded = _load(tiny_model_dir)
-    assert set(int8_cpu._packed) <= before
+    assert set(packed_int8._packed) <= before
     assert all(m.int8_layout[0] is not None for part in int8_parts(loaded.model).values() for m in part)
 
 
@@ -119,7 +119,7 @@ def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_mo
     monkeypatch.setattr(int8_gemm, "best_seconds", screening_call)
     monkeypatch.setattr(int8_gemm, "alternating_best", full_timing)
     monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: NATIVE_OFF)
-    before = set(int8_cpu._packed)
+    before = set(packed_int8._packed)
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
     assert len(screened) == 4  # one call of each GEMM for each of the two parts
@@ -127,7 +127,7 @@ def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_mo
         assert re.fullmatch(r"torch\._int_mm \(50000\.00 ms oneDNN packed vs 1000\.000 torch\._int_mm for \d+ "
                             r"channels of one weight at 128 rows: a fallback kernel, not timed further; no native "
                             r"VNNI GEMM here: off in this test\)", text), text
-    assert set(int8_cpu._packed) <= before  # the screening slices' packed copies are freed
+    assert set(packed_int8._packed) <= before  # the screening slices' packed copies are freed
     assert all(m.int8_layout[2] is None for part in int8_parts(loaded.model).values() for m in part)
 
 

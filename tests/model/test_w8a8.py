@@ -7,7 +7,7 @@ import torch
 
 from kernels import vnni_gemm
 from kernels.dispatch import w8a8_weight_bound
-from kernels.int8_cpu import pack_int8_weight, pack_native_int8_weight
+from kernels.packed_int8 import pack_int8_weight, pack_native_int8_weight
 from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import quantize_int8, wq_matmul_reference
 from pipeline.model import loader

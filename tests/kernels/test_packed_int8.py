@@ -1,4 +1,4 @@
-"""The packed int8 GEMMs (oneDNN's, `kernels.int8_cpu`, and the native VNNI one, `kernels.vnni_gemm`)
+"""The packed int8 GEMMs (oneDNN's, `kernels.packed_int8`, and the native VNNI one, `kernels.vnni_gemm`)
 against exact integer sums and `torch._int_mm`'s, bit for bit."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import gc
 import pytest
 import torch
 
-from kernels import int8_cpu, vnni_gemm
+from kernels import packed_int8, vnni_gemm
 from kernels.dispatch import int8_products, w8a8_matmul
-from kernels.int8_cpu import (
+from kernels.packed_int8 import (
     pack_int8_weight,
     pack_native_int8_weight,
     packed_bytes,
@@ -43,7 +43,7 @@ class Owner:
 def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random int8 weights over the whole range this CPU's packed GEMM multiplies exactly."""
     gen = torch.Generator().manual_seed(seed)
-    bound = int8_cpu.weight_bound()
+    bound = packed_int8.weight_bound()
     q = torch.randint(-bound, bound + 1, (n, k), dtype=torch.int8, generator=gen)
     return q, torch.rand(n, 1, generator=gen) / 100 + 1e-4
 
@@ -59,7 +59,7 @@ def test_packed_products_are_the_int32_sums_times_the_column_scales_bit_for_bit(
     y = packed_int8_products(x, scales.reshape(-1), handle)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert torch.equal(y, sums * scales.reshape(1, -1))
-    assert torch.equal(packed_int8_products(int8_cpu.uint8_activations(x), scales.reshape(-1), handle), y)
+    assert torch.equal(packed_int8_products(packed_int8.uint8_activations(x), scales.reshape(-1), handle), y)
     assert torch.equal(int8_products(x, qweight, scales, handle), int8_products(x, qweight, scales))
     assert packed_bytes(handle) == n * k
 
@@ -106,10 +106,10 @@ def test_a_packed_weight_goes_with_its_owner_or_when_released(pack):
     kept = pack(owner, qweight)
     released = pack(other, qweight)
     release_packed(released)
-    assert int(released) not in int8_cpu._packed and int(kept) in int8_cpu._packed
+    assert int(released) not in packed_int8._packed and int(kept) in packed_int8._packed
     del owner
     gc.collect()
-    assert int(kept) not in int8_cpu._packed
+    assert int(kept) not in packed_int8._packed
     del other  # its finalizer finds the entry already gone
     gc.collect()
 
@@ -140,7 +140,7 @@ def test_the_native_gemm_is_exact_at_the_extremes_and_on_strided_rows():
     expected = (x.long() @ qweight.long().T).float()
     assert torch.equal(packed_int8_products(x, torch.ones(50), handle), expected)
     wide = torch.zeros(11, k + 40, dtype=torch.uint8)
-    wide[:, 8 : 8 + k] = int8_cpu.uint8_activations(x)
+    wide[:, 8 : 8 + k] = packed_int8.uint8_activations(x)
     assert torch.equal(packed_int8_products(wide[:, 8 : 8 + k], torch.ones(50), handle), expected)
 
 
@@ -168,10 +168,10 @@ def test_the_native_argmax_is_the_argmax_of_the_scaled_products(m, k, n):
     qweight[min(n // 2 + 50, n - 2)] = qweight[n // 2 + 47 % (n - n // 2)]  # and across a panel's edge
     gen = torch.Generator().manual_seed(n)
     u = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=gen)
-    u[0] = int8_cpu.uint8_activations(qweight[n // 2])  # row 0's best: the middle column (tied with the last)
+    u[0] = packed_int8.uint8_activations(qweight[n // 2])  # row 0's best: the middle column (tied with the last)
     row_scales = torch.rand(m, 1, generator=gen) + 0.5
     owner = Owner()
-    native = int8_cpu._packed[int(_native(owner, qweight))][0]
+    native = packed_int8._packed[int(_native(owner, qweight))][0]
     products = native.products(u, scales.reshape(-1)) * row_scales
     for valid in (n, max(1, n - 7)):
         expected = products[:, :valid].argmax(-1)
@@ -192,7 +192,7 @@ def test_the_native_silu_entry_is_silu_of_the_scaled_gate_times_the_scaled_up(m,
     row_scales = torch.rand(m, generator=gen) * 4 + 0.1
     vector = torch.rand(half, generator=gen) + 0.5 if smooth else None
     owner = Owner()
-    native = int8_cpu._packed[int(_native(owner, qweight))][0]
+    native = packed_int8._packed[int(_native(owner, qweight))][0]
     products = native.products(u, scales.reshape(-1)) * row_scales[:, None]
     expected = torch.nn.functional.silu(products[:, :half]) * products[:, half:]
     if smooth:
@@ -215,7 +215,7 @@ def test_the_native_silu_entry_is_silu_of_the_scaled_gate_times_the_scaled_up(m,
 def test_the_native_gemm_names_what_it_cannot_multiply():
     qweight, scales = _weight(20, 16, seed=8)
     owner = Owner()
-    native = int8_cpu._packed[int(_native(owner, qweight))][0]
+    native = packed_int8._packed[int(_native(owner, qweight))][0]
     with pytest.raises(ValueError, match=r"uint8 activations \[M, 16\], got torch.int8"):
         native.products(torch.zeros(3, 16, dtype=torch.int8), scales.reshape(-1))
     with pytest.raises(ValueError, match="20 column scales, got 19"):
@@ -241,8 +241,8 @@ def test_the_native_gemm_says_why_it_is_off(monkeypatch):
 def test_the_weight_bound_is_exact_in_the_worst_case_and_full_range_weights_beyond_it_would_not_be():
     """At the measured bound, the largest products (activations 127, weights +-bound) come out exact; a bound
     below 127 means the full range did not (the kernel sums u8 x s8 pairs in int16)."""
-    bound = int8_cpu.weight_bound()
-    assert bound in (int8_cpu.FULL_RANGE, int8_cpu.PAIR_SAFE_RANGE)
+    bound = packed_int8.weight_bound()
+    assert bound in (packed_int8.FULL_RANGE, packed_int8.PAIR_SAFE_RANGE)
     x = torch.full((5, 256), 127, dtype=torch.int8)
     x[1] = -127
     signs = torch.where(torch.arange(256) % 3 == 0, -1, 1).to(torch.int8)
@@ -250,18 +250,18 @@ def test_the_weight_bound_is_exact_in_the_worst_case_and_full_range_weights_beyo
     owner = Owner()
     y = packed_int8_products(x, torch.ones(2), pack_int8_weight(owner, qweight))
     assert torch.equal(y, (x.long() @ qweight.long().T).float())
-    if bound < int8_cpu.FULL_RANGE:
+    if bound < packed_int8.FULL_RANGE:
         full = torch.full((2, 256), 127, dtype=torch.int8)
         packed = torch.ops.onednn.qlinear_prepack(full, None)
-        sums = int8_cpu._run_packed(int8_cpu.uint8_activations(x), torch.ones(2), packed, torch.zeros(2, dtype=torch.long))
+        sums = packed_int8._run_packed(packed_int8.uint8_activations(x), torch.ones(2), packed, torch.zeros(2, dtype=torch.long))
         assert not torch.equal(sums, (x.long() @ full.long().T).float())
 
 
 def test_packing_refuses_a_weight_beyond_the_bound(monkeypatch):
-    monkeypatch.setattr(int8_cpu, "weight_bound", lambda: int8_cpu.PAIR_SAFE_RANGE)
+    monkeypatch.setattr(packed_int8, "weight_bound", lambda: packed_int8.PAIR_SAFE_RANGE)
     within = torch.full((4, 16), -63, dtype=torch.int8)
     owner = Owner()
-    assert int(pack_int8_weight(owner, within)) in int8_cpu._packed
+    assert int(pack_int8_weight(owner, within)) in packed_int8._packed
     beyond = within.clone()
     beyond[2, 5] = -64
     with pytest.raises(RuntimeError, match=r"exact for \|weight\| <= 63 only"):
