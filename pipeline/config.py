@@ -38,6 +38,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
 INPUT_CHANGE_CHOICES = ("fail", "redo")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
+INPUT_FORMATS = ("parquet", "jsonl", "openai_batch")
+OUTPUT_FORMATS = ("auto", *INPUT_FORMATS)  # auto: the input's format
 # Columns the job writes itself; a passthrough column may not take one of these names.
 RESULT_COLUMNS = (
     "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_logprobs",
@@ -62,7 +64,10 @@ class InputConfig:
     passthrough_columns: list[str] = field(default_factory=list)
     sampling_columns: list[str] = field(default_factory=lambda: list(DEFAULT_SAMPLING_COLUMNS))
     truncate: str = "none"  # none: overlong prompt -> error row; left: keep the prompt's last tokens
-    batch_rows: int = 1024  # rows per Parquet record batch read
+    batch_rows: int = 1024  # rows per Parquet record batch read (lines, for JSON Lines)
+    # parquet | jsonl (one JSON object per line) | openai_batch (OpenAI Batch API request lines); JSON Lines
+    # files may be gzip/zstd/bz2/xz compressed (docs/running.md, "Input and output formats")
+    format: str = "parquet"
 
 
 @dataclass
@@ -86,6 +91,7 @@ class OutputConfig:
     report: bool = False  # also write report.html and PNG plots of the run's time series (docs/roofline.md, "The run report")
     report_interval_s: float = 5.0  # seconds between samples of the time series in _metrics.json
     allow_ephemeral: bool = False  # allow an output that vanishes with the process (memory://)
+    format: str = "auto"  # auto (the input's format) | parquet | jsonl | openai_batch (Batch API output lines)
 
 
 @dataclass
@@ -201,6 +207,11 @@ class JobConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @property
+    def output_format(self) -> str:
+        """`output.format` with `auto` resolved (`resolve_output_format`)."""
+        return resolve_output_format(self.input, self.output)
+
+    @property
     def model_dtype(self) -> str:
         """The dtype the model runs in: `model.dtype` with `auto` resolved for `engine.device`."""
         return resolve_dtype(self.model.dtype, self.engine.device)
@@ -209,11 +220,16 @@ class JobConfig:
         """What determines the output rows: model identity, sampling, prompt/template settings, output schema.
 
         The input *listing* and plan numbers are added by `RunState`; the input glob itself is not part
-        of it (the same files under another spelling are the same job). `output.*` (but token_ids),
-        `progress.*`, `runtime.*`, `hardware` and speed-only engine keys are left out.
+        of it (the same files under another spelling are the same job). `output.*` (but token_ids and a
+        format other than parquet), `progress.*`, `runtime.*`, `hardware` and speed-only engine keys are left out.
         """
         resolved = self.resolved
-        inp = {k: v for k, v in resolved["input"].items() if k not in ("path", "batch_rows")}
+        # The default formats are left out, so outputs written before the formats existed still resume.
+        inp = {k: v for k, v in resolved["input"].items()
+               if k not in ("path", "batch_rows") and (k, v) != ("format", "parquet")}
+        output = {"token_ids": resolved["output"]["token_ids"]}
+        if self.output_format != "parquet":
+            output["format"] = self.output_format
         engine = {k: v for k, v in resolved["engine"].items() if k not in _SPEED_ONLY_ENGINE_KEYS}
         # Speculation keeps greedy rows but changes which tokens a seed draws; off, it leaves the digest alone.
         spec = resolved.get("speculative") or {}
@@ -232,7 +248,7 @@ class JobConfig:
             "sampling": resolved["sampling"],
             "input": inp,
             "engine": engine,
-            "output": {"token_ids": resolved["output"]["token_ids"]},
+            "output": output,
             # which rows share a unit (plan.window_rows is in the plan numbers)
             "order": {"prefix_sort": resolved.get("plan", {}).get("prefix_sort")},
             "seeds": "row",  # each row's seed hashes (job seed, row id): see engine.sequence.row_seed
@@ -244,6 +260,12 @@ class JobConfig:
 _SPEED_ONLY_ENGINE_KEYS = ("block_size", "kv_cache_memory", "max_batched_tokens", "max_batch_size",
                            "prefix_caching", "device", "tensor_parallel", "max_waiting", "cuda_graphs",
                            "gpu_memory_utilization")
+
+
+def resolve_output_format(inp: InputConfig, out: OutputConfig) -> str:
+    """`output.format` with `auto` resolved: the input's format, so an OpenAI batch file gets Batch API
+    output lines back and JSON Lines stay JSON Lines."""
+    return inp.format if out.format == "auto" else out.format
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -379,6 +401,11 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         raise JobError("invalid config `output.path`: empty; give a directory or fsspec URL")
     _check_persistent(schema.output)
     _choice("output.mode", schema.output.mode, OUTPUT_MODES)
+    _choice("input.format", schema.input.format, INPUT_FORMATS)
+    _choice("output.format", schema.output.format, OUTPUT_FORMATS)
+    if schema.output.retry_errors and resolve_output_format(schema.input, schema.output) == "openai_batch":
+        raise JobError("invalid config `output.retry_errors`: openai_batch parts hold one response per request, "
+                       "not the rows a retry keeps; write output.format=jsonl or parquet to retry error rows")
     _choice("output.on_input_change", schema.output.on_input_change, INPUT_CHANGE_CHOICES)
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
