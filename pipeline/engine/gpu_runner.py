@@ -8,9 +8,10 @@
 - returns the sampling rows' logits on the device. Nothing in the step waits for the device: the first
   device→host transfer is the sampler's `.tolist()` of the sampled ids.
 
-Decode-only steps replay a CUDA graph captured for the smallest bucket (1, 2, 4, ... max_batch_size) that
-holds the batch: its inputs live in one static device buffer per bucket, which the step's single copy
-fills; padding rows have no keys and write their K/V to a scratch block the cache manager never hands out.
+Decode-only steps (every row a one-token query that samples) replay a CUDA graph captured for the smallest
+bucket (1, 2, 4, ... max_batch_size) that holds the batch: its inputs live in one static device buffer per
+bucket, which the step's single copy fills; padding rows have no keys and write their K/V to a scratch block
+the cache manager never hands out.
 The tensor-parallel and CPU paths keep `pipeline.engine.runner.Runner`.
 """
 
@@ -262,7 +263,7 @@ class GpuRunner:
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; float32 logits [len(batch.logits_rows), vocab] on the device."""
         d = batch.num_decodes
-        bucket = graph_bucket(d, self.buckets) if self._graphs and d == batch.num_tokens else None
+        bucket = graph_bucket(d, self.buckets) if self._graphs and self._graph_step(batch) else None
         if bucket is not None and batch.block_tables.shape[1] <= self.graph_table_width:
             graph, static, _, logits = self._graphs[bucket]
             plan = self._plan(batch, bucket)
@@ -273,6 +274,14 @@ class GpuRunner:
         plan = self._plan(batch)
         self.attn.copy_blocks(plan.copies)
         return self.run(plan, self.upload(plan))
+
+    @staticmethod
+    def _graph_step(batch: StepBatch) -> bool:
+        """Whether a graph (which returns one logits row per row, in order) serves this step: every row is a
+        one-token query that samples. A one-token chunk that does not end its prompt has one row but no
+        logits row (host tensors: no device read)."""
+        d = batch.num_decodes
+        return d == batch.num_tokens == batch.logits_rows.numel() and torch.equal(batch.logits_rows, torch.arange(d))
 
     def execute_greedy(self, batch: StepBatch) -> torch.Tensor:
         """The argmax of `execute`'s logits (the captured graphs end in them)."""
@@ -292,18 +301,20 @@ class GpuRunner:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
 
+    def graph_inputs(self, bucket: int) -> tuple[StepPlan, torch.Tensor]:
+        """A bucket's plan (every row padding) and its static device buffer, which replays refill."""
+        nothing = torch.zeros(0, dtype=torch.long)
+        empty = StepBatch(input_ids=nothing, positions=nothing, slot_mapping=nothing,
+                          query_start=torch.zeros(1, dtype=torch.long), context_lens=nothing,
+                          block_tables=torch.zeros(0, 1, dtype=torch.long), num_decodes=0, logits_rows=nothing)
+        plan = self._plan(empty, bucket)
+        return plan, self.upload(plan)
+
     def _capture_all(self) -> None:
         """Capture one decode graph per bucket, largest first, sharing one memory pool."""
         pool = None
         for bucket in sorted(self.buckets, reverse=True):
-            dummy = StepBatch(
-                input_ids=torch.zeros(0, dtype=torch.long), positions=torch.zeros(0, dtype=torch.long),
-                slot_mapping=torch.zeros(0, dtype=torch.long), query_start=torch.zeros(1, dtype=torch.long),
-                context_lens=torch.zeros(0, dtype=torch.long), block_tables=torch.zeros(0, 1, dtype=torch.long),
-                num_decodes=0, logits_rows=torch.zeros(0, dtype=torch.long),
-            )
-            plan = self._plan(dummy, bucket)
-            static = self.upload(plan)
+            plan, static = self.graph_inputs(bucket)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):

@@ -94,6 +94,72 @@ def test_sliding_window_model_on_triton_kernels_matches_reference(monkeypatch):
         assert results[i] == greedy(loaded.model, p, 8, stop_token_ids=[EOS]), i
 
 
+class EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: replay reruns the captured step on the static buffer and
+    writes the static logits, as a real replay does."""
+
+    def __init__(self, runner_: GpuRunner, bucket: int):
+        self.run = runner_.run
+        self.plan, self.static = runner_.graph_inputs(bucket)
+        self.logits = self.run(self.plan, self.static)
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.logits.copy_(self.run(self.plan, self.static))
+        self.replays += 1
+
+
+def emulated_graphs(graphs: dict[int, EagerGraph], max_batch_size: int):
+    """A runner factory: GpuRunner on the interpreter with every bucket's graph emulated."""
+    def make(model, num_blocks, block_size, device):
+        r = GpuRunner(model, num_blocks, block_size, device, cuda_graphs=False, max_batch_size=max_batch_size,
+                      max_model_len=128)
+        for bucket in r.buckets:
+            graphs[bucket] = EagerGraph(r, bucket)
+            r._graphs[bucket] = (graphs[bucket], graphs[bucket].static, graphs[bucket].plan, graphs[bucket].logits)
+        return r
+    return make
+
+
+def test_engine_with_graph_replay_matches_reference(tiny):
+    """Decode steps replayed from (emulated) graphs, beside one-token prefill chunks (a token budget below
+    the batch size): the greedy tokens equal the reference."""
+    graphs: dict[int, EagerGraph] = {}
+    prompts = random_prompts(6, 3, 9, seed=12)
+    sp = SamplingParams(max_tokens=5)
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB", block_size=BLOCK, max_batched_tokens=4,
+                                       max_batch_size=8), make_runner=emulated_graphs(graphs, 8))
+    results = {r.id: r.token_ids for r in engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])}
+    for i, p in enumerate(prompts):
+        assert results[i] == greedy(tiny.model, p, 5, stop_token_ids=[EOS]), i
+    assert sum(g.replays for g in graphs.values()) > 0, "no step replayed a graph"
+
+
+def one_token_rows(contexts: list[int], logits_rows: list[int]) -> runner.StepBatch:
+    """A step of one query row per sequence (sequence b in block b + 1), `logits_rows` sampling."""
+    n = len(contexts)
+    pos = torch.tensor(contexts) - 1
+    blocks = torch.arange(1, n + 1)
+    return runner.StepBatch(
+        input_ids=torch.arange(5, 5 + n), positions=pos, slot_mapping=blocks * BLOCK + pos,
+        query_start=torch.arange(n + 1), context_lens=torch.tensor(contexts), block_tables=blocks[:, None],
+        num_decodes=n, logits_rows=torch.tensor(logits_rows, dtype=torch.long))
+
+
+@pytest.mark.parametrize("logits_rows", [[1, 2], [0, 2], [0, 1, 2]])
+def test_graph_step_returns_the_sampling_rows_only(tiny, logits_rows):
+    """Every row has one query, but a one-token chunk that does not end its prompt samples nothing: the
+    runner returns exactly `logits_rows`' logits, in order, graphs or not."""
+    graphs: dict[int, EagerGraph] = {}
+    replayed = emulated_graphs(graphs, 4)(tiny.model, 8, BLOCK, torch.device("cpu"))
+    eager = GpuRunner(tiny.model, 8, BLOCK, torch.device("cpu"), cuda_graphs=False)
+    batch = one_token_rows([3, 5, 9], logits_rows)
+    eager.attn.k, eager.attn.v = replayed.attn.k, replayed.attn.v  # one cache: both steps write the same K/V
+    expected = eager.execute(batch)
+    assert expected.shape[0] == len(logits_rows)
+    torch.testing.assert_close(replayed.execute(batch), expected)
+
+
 SYNCING = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
            torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu,
            torch.Tensor.numpy, torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique}
