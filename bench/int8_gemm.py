@@ -4,7 +4,7 @@ For each row count, one pass over every int8 weight of the model (the decoder's 
 as a step runs them, the weights streaming from memory: `torch._int_mm` on the plain weights, oneDNN's GEMM
 on weights packed once, and the native VNNI GEMM (`kernels.vnni_gemm`), in alternating rounds so that
 a change in the machine's speed lands on all of them. The model picks one of them at load by a shorter
-timing at 128 rows (`pipeline.model.int8_gemm`); this shows the whole range.
+timing at 128 rows (`pipeline.model.w8a8_gemm`); this shows the whole range.
 
     python bench/int8_gemm.py
     python bench/int8_gemm.py --rows 1 64 256 --part lm_head
@@ -20,7 +20,7 @@ import torch
 from kernels.packed_int8 import pack_int8_weight, pack_native_int8_weight
 from kernels.vnni_gemm import unavailable_reason
 from pipeline.model import loader
-from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, gemm_pass, int8_parts
+from pipeline.model.w8a8_gemm import NATIVE, PACKED, PLAIN, gemm_pass, int8_parts
 from pipeline.perf.probe import cpu_flags, probe
 from pipeline.stopwatch import alternating_best
 

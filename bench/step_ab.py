@@ -87,7 +87,7 @@ def main() -> None:
                 return float(median), float(best)
         raise SystemExit(f"a worker exited (return code {proc.wait()})")
 
-    # One side loads after the other: a load times the int8 GEMMs to choose one (`pipeline.model.int8_gemm`),
+    # One side loads after the other: a load times the int8 GEMMs to choose one (`pipeline.model.w8a8_gemm`),
     # and two loads at once on two cores chose by each other's noise (a 1.1x faster GEMM lost).
     procs = []
     for c in checkouts:

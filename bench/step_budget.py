@@ -30,8 +30,8 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import StepBatch, kv_bytes_per_block
-from pipeline.model.int8_gemm import gemm_pass, int8_parts
 from pipeline.model.loader import default_model_path, load_model
+from pipeline.model.w8a8_gemm import gemm_pass, int8_parts
 from pipeline.perf.probe import cpu_flags, probe
 from pipeline.perf.quant_choice import choose_quant
 from pipeline.perf.roofline import HardwareProfile
@@ -55,7 +55,7 @@ def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepB
 
 def int8_gemms(model: torch.nn.Module, rows: int, one_layer: bool = False) -> tuple[Callable[[], None], float]:
     """The step's W8A8 products on the model's own int8 weights, each on the GEMM the model chose for it
-    (`pipeline.model.int8_gemm`), and their operations (2 per multiply-add). one_layer: every layer's
+    (`pipeline.model.w8a8_gemm`), and their operations (2 per multiply-add). one_layer: every layer's
     products on the first layer's weights (a few MB, read from cache after the first layer), the head's as
     they are: against the step's own weights, what streaming them from memory costs the GEMMs."""
     parts = int8_parts(model)

@@ -6,7 +6,7 @@ multiplies int8 activations by it and applies the per-channel weight scales in t
 sums x weight scale, bit for bit what `torch._int_mm`'s int32 sums give once converted and scaled (the
 sums are exact integers either way). Whether it is faster depends on the CPU (with AMX it ran a SmolLM2
 step's products ~1.5x faster; on an AVX-512 VNNI Xeon slower), so the model measures both at load
-(`pipeline.model.int8_gemm`).
+(`pipeline.model.w8a8_gemm`).
 
 The activations go in as uint8 with zero point 128 (q + 128; oneDNN subtracts 128 x the weight's column
 sums), the input its u8 x s8 kernels take natively. CPUs without VNNI multiply u8 x s8 pairs with

@@ -7,7 +7,7 @@ counts decode steps run (64-256), with a step's weights streaming from memory, o
 (`torch._int_mm` and the packed one) reached 55-87% of this class of CPU's int8 peak, and 64 rows were the
 worst; one register tile of 8 rows x 48 channels looping over a packed panel does better there (figures in
 docs/performance.md). The model times it against oneDNN's at load and keeps the faster
-(`pipeline.model.int8_gemm`). Its argmax entry (`NativeInt8Weight.argmax`) gives
+(`pipeline.model.w8a8_gemm`). Its argmax entry (`NativeInt8Weight.argmax`) gives
 each row's best column of the products without storing them, for the int8 LM head's greedy steps; its SiLU
 entry (`int8_gemm_silu`, called from the native decode layers) gives a gate_up weight's gated activation
 without storing the products.

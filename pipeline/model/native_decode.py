@@ -7,7 +7,7 @@ core waited. The native run does the same arithmetic as the W8A8 layer, with the
 paged attention called from C (figures in docs/performance.md).
 
 What it takes: one rank, float32 activations, every layer the plain Llama layout (no biases, no q/k norm)
-with its four linears on the native VNNI GEMM (chosen at load, `pipeline.model.int8_gemm`), and a step in
+with its four linears on the native VNNI GEMM (chosen at load, `pipeline.model.w8a8_gemm`), and a step in
 W8A8 whose every row the paged attention runs through its native kernel (`NativeRows`).
 """
 

@@ -68,7 +68,7 @@ class KernelChoice:
     weight_only: str  # the weight-only kernel's name, e.g. "gguf"; "" when every call is W8A8
     w8a8_rows: int | None  # calls with at least this many rows run W8A8; None: never
     steps: Counter = field(default_factory=Counter)
-    int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.model.int8_gemm`)
+    int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.model.w8a8_gemm`)
     weight_bound: int | None = None  # the W8A8 weights' largest |int8| (`kernels.dispatch.w8a8_weight_bound`)
     native_layer_steps: int = 0  # W8A8 steps whose layers ran in one native call (`pipeline.model.native_decode`)
 

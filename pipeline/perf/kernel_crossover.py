@@ -8,7 +8,7 @@ and switches where they cross.
 
 What is timed: one decoder layer's four products (qkv, o, gate_up, down) and the LM head, as each kind of
 step runs them (weight-only steps: the packed bf16 kernels and the float LM head; W8A8 steps: the int8
-GEMM each layout runs on, `pipeline.model.int8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
+GEMM each layout runs on, `pipeline.model.w8a8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
 the head. The elementwise work around the products (activation quantization, casts) is left out: compiled
 layers fuse it into the loops both kinds of step have anyway.
 """
@@ -134,7 +134,7 @@ def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: 
 
 def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
     """One W8A8 step's products at `rows` rows: int8 x int8 for the layer, num_layers times (the GEMM each
-    weight runs on: `pipeline.model.int8_gemm`), and the head."""
+    weight runs on: `pipeline.model.w8a8_gemm`), and the head."""
     inputs = [quantize_for_gemm(torch.randn(rows, m.in_features), m.int8_layout[2])[0] for m in linears]
     layouts = [m.int8_layout for m in linears]
     head = model.lm_head

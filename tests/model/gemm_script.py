@@ -1,12 +1,12 @@
-"""Scripted timings for the int8 GEMM chosen at load (`pipeline.model.int8_gemm`): tests pick the winner."""
+"""Scripted timings for the int8 GEMM chosen at load (`pipeline.model.w8a8_gemm`): tests pick the winner."""
 
 from __future__ import annotations
 
 import pytest
 
 from kernels import vnni_gemm
-from pipeline.model import int8_gemm
-from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN
+from pipeline.model import w8a8_gemm
+from pipeline.model.w8a8_gemm import NATIVE, PACKED, PLAIN
 
 NATIVE_OFF = "off in this test"
 
@@ -17,13 +17,13 @@ def script_gemm_choice(monkeypatch, winners: dict[str, str], native: bool = Fals
     why = vnni_gemm.unavailable_reason()
     if native and why:
         pytest.skip(f"no native int8 GEMM here: {why}")
-    monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: None if native else NATIVE_OFF)
+    monkeypatch.setattr(w8a8_gemm, "native_unavailable", lambda: None if native else NATIVE_OFF)
     names = [PLAIN, PACKED, NATIVE]
     verdicts = iter(winners.values())
-    monkeypatch.setattr(int8_gemm, "best_seconds", lambda fn, reps: 1.0)  # the screening calls tie
+    monkeypatch.setattr(w8a8_gemm, "best_seconds", lambda fn, reps: 1.0)  # the screening calls tie
 
     def timings(fns, rounds, reps):  # the candidates come in the order of `names`
         winner = next(verdicts)
         return [1.0 if name == winner else 2.0 for name in names[: len(fns)]]
 
-    monkeypatch.setattr(int8_gemm, "alternating_best", timings)
+    monkeypatch.setattr(w8a8_gemm, "alternating_best", timings)

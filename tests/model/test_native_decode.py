@@ -14,10 +14,10 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.model import llama as llama_module
-from pipeline.model.int8_gemm import NATIVE, PLAIN
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import load_model
 from pipeline.model.native_decode import native_decode_reason
+from pipeline.model.w8a8_gemm import NATIVE, PLAIN
 from tests.model.gemm_script import script_gemm_choice
 from tests.reference import assert_only_near_ties, greedy_decode
 from tests.tiny_model import build_tiny_checkpoint

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.model import int8_gemm, loader, quant
+from pipeline.model import loader, quant, w8a8_gemm
 from pipeline.model.loader import load_model
 from pipeline.model.startup_cache import JSON_ENTRY, StartupCache
 
@@ -129,7 +129,7 @@ def test_a_model_read_from_the_cache_is_the_model_a_load_builds(tmp_path, tiny_m
 
     with monkeypatch.context() as patch:
         patch.setattr(loader, "load_quantized", refuse)
-        patch.setattr(int8_gemm, "alternating_best", refuse)
+        patch.setattr(w8a8_gemm, "alternating_best", refuse)
         second = load_model(tiny_model_dir, **options)
     assert second.cache_key == first.cache_key
     assert second.model.kernel_choice.int8_gemm == first.model.kernel_choice.int8_gemm

@@ -1,4 +1,4 @@
-"""The int8 GEMM chosen per part at load (`pipeline.model.int8_gemm`): the choice follows the timings and
+"""The int8 GEMM chosen per part at load (`pipeline.model.w8a8_gemm`): the choice follows the timings and
 never changes a logit."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 from kernels import packed_int8, vnni_gemm
 from kernels.packed_int8 import packed_gemm_name
-from pipeline.model import int8_gemm
-from pipeline.model.int8_gemm import NATIVE, PACKED, PLAIN, int8_parts
+from pipeline.model import w8a8_gemm
 from pipeline.model.llama import cpp_compiler
 from pipeline.model.loader import load_model
+from pipeline.model.w8a8_gemm import NATIVE, PACKED, PLAIN, int8_parts
 from tests.model.gemm_script import NATIVE_OFF, script_gemm_choice
 from tests.reference import greedy_decode, prompt_logits
 
@@ -34,7 +34,7 @@ def test_each_part_keeps_the_fastest_gemm_and_the_logits_stay_bit_for_bit(tiny_m
     assert all(m.int8_layout[2] is None for part in int8_parts(plain.model).values() for m in part)
     native = NATIVE in winners.values()
     script_gemm_choice(monkeypatch, winners, native=native)
-    monkeypatch.setattr(int8_gemm, "TIMED_LAYERS", 1)  # of the tiny model's 2: the other is packed untimed
+    monkeypatch.setattr(w8a8_gemm, "TIMED_LAYERS", 1)  # of the tiny model's 2: the other is packed untimed
     before = set(packed_int8._packed)
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
@@ -84,8 +84,8 @@ def test_without_a_packed_kernel_every_part_stays_on_int_mm(tiny_model_dir, monk
     def unavailable(owner, qweight):
         raise RuntimeError("could not create a primitive descriptor for the matmul primitive\nmore detail")
 
-    monkeypatch.setitem(int8_gemm.PACKERS, PACKED, unavailable)
-    monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: NATIVE_OFF)
+    monkeypatch.setitem(w8a8_gemm.PACKERS, PACKED, unavailable)
+    monkeypatch.setattr(w8a8_gemm, "native_unavailable", lambda: NATIVE_OFF)
     loaded = _load(tiny_model_dir)
     assert loaded.model.kernel_choice.int8_gemm == {
         part: f"{PLAIN} (no {PACKED} GEMM here: could not create a primitive descriptor for the matmul "
@@ -116,9 +116,9 @@ def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_mo
     def full_timing(fns, rounds, reps):
         raise AssertionError("a screened-out GEMM must not be timed in full")
 
-    monkeypatch.setattr(int8_gemm, "best_seconds", screening_call)
-    monkeypatch.setattr(int8_gemm, "alternating_best", full_timing)
-    monkeypatch.setattr(int8_gemm, "native_unavailable", lambda: NATIVE_OFF)
+    monkeypatch.setattr(w8a8_gemm, "best_seconds", screening_call)
+    monkeypatch.setattr(w8a8_gemm, "alternating_best", full_timing)
+    monkeypatch.setattr(w8a8_gemm, "native_unavailable", lambda: NATIVE_OFF)
     before = set(packed_int8._packed)
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
