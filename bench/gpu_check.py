@@ -343,8 +343,8 @@ def check_job(model_path: str, rows: int, max_tokens: int) -> None:
     import pyarrow.parquet as pq
 
     from pipeline.model.loader import load_model
+    from pipeline.model.roofline import Roofline
     from pipeline.perf.probe import load_hardware
-    from pipeline.perf.roofline import Roofline
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_job_"))
     texts = [t for f in sorted((ROOT / "data/sample").glob("*.parquet")) for t in pq.read_table(f)["prompt"].to_pylist()]

@@ -40,12 +40,12 @@ if TYPE_CHECKING:
     from pipeline.engine.engine import Engine
     from pipeline.model.llama import LlamaModel
     from pipeline.model.loader import LoadedModel
+    from pipeline.model.roofline import HardwareProfile, Roofline
     from pipeline.model.startup_cache import StartupCache
     from pipeline.parallel.runner import ShardedModel
     from pipeline.perf.probe import ProbeResult
     from pipeline.perf.quant_choice import QuantChoice
     from pipeline.perf.report import RunRecorder
-    from pipeline.perf.roofline import HardwareProfile, Roofline
 
 log = logging.getLogger("pipeline")
 
@@ -625,7 +625,7 @@ def _roofline(cfg: JobConfig, model: _Model) -> Roofline | None:
     """The report's roofline (output.report): at the int8 peak where the run's steps are W8A8."""
     if not cfg.output.report:
         return None
-    from pipeline.perf.roofline import Roofline
+    from pipeline.model.roofline import Roofline
 
     options = model.options
     int8 = options["quant"] == "w8a8" or (options["quant"] != "none" and options["w8a8_rows"] is not None

@@ -77,7 +77,7 @@ def check_room(cfg: JobConfig, columns: Mapping[str, Any], max_model_len: int) -
 
 def _check_kv_budget(cfg: JobConfig, shape: ModelConfig) -> None:
     """`engine.kv_cache_memory` must hold at least one block (a typo such as `1KB`)."""
-    from pipeline.perf.roofline import kv_bytes_per_token
+    from pipeline.model.roofline import kv_bytes_per_token
 
     block = kv_bytes_per_token(shape, cfg.model_dtype, cfg.engine.tensor_parallel) * cfg.engine.block_size
     if cfg.engine.kv_cache_bytes < block:

@@ -20,8 +20,7 @@ from omegaconf import OmegaConf
 from pipeline.config import resolve_dtype
 from pipeline.errors import JobError
 from pipeline.model.config import ModelConfig, read_json
-from pipeline.perf.probe import load_hardware
-from pipeline.perf.roofline import (
+from pipeline.model.roofline import (
     HardwareProfile,
     Roofline,
     cost_per_million_tokens,
@@ -33,6 +32,7 @@ from pipeline.perf.roofline import (
     weight_bytes,
     weight_read_bytes,
 )
+from pipeline.perf.probe import load_hardware
 from pipeline.plan.prefix import unique_prefix_tokens
 
 

@@ -33,7 +33,7 @@ from kernels.packed_int8 import (
 from kernels.wq_cpu import native_bf16, weight_only_kernels_fast
 from pipeline.config import CONF_DIR
 from pipeline.errors import JobError
-from pipeline.perf.roofline import HardwareProfile
+from pipeline.model.roofline import HardwareProfile
 from pipeline.stopwatch import best_seconds
 
 HARDWARE_DIR = CONF_DIR / "hardware"

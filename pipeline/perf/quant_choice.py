@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from pipeline.model.config import ModelConfig
-from pipeline.perf.roofline import HardwareProfile, Precision, decode_ceiling, precision
+from pipeline.model.roofline import HardwareProfile, Precision, decode_ceiling, precision
 
 # Weight-only scheme -> the precision its weights are read in (gguf: SmolLM2's Q4_1 blocks).
 WEIGHT_ONLY_PRECISION = {"gguf": "q4_1", "int4": "int4-g32", "int8": "int8"}

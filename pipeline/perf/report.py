@@ -20,7 +20,7 @@ import fsspec
 from matplotlib.figure import Figure
 
 from pipeline.engine.stats import EngineStats
-from pipeline.perf.roofline import Roofline
+from pipeline.model.roofline import Roofline
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.model.hf_file import config_from_hf
+from pipeline.model.roofline import decode_ceiling, kv_bytes_per_token
 from pipeline.perf.plan_cli import main, split_args
-from pipeline.perf.roofline import decode_ceiling, kv_bytes_per_token
-from tests.perf.test_roofline import H100
+from tests.model.test_roofline import H100
 
 PROMPTS = ["What is 2+2?", "What is the capital of France?", "What is 2+3?", "Name a colour.",
            "What is the capital of Spain?", "What is 2+2?"]
@@ -107,7 +107,7 @@ def test_job_file_is_read_like_the_job_reads_it(capsys, tiny_model_dir, tmp_path
 
 def test_weights_that_do_not_fit_are_said_plainly_with_what_would_fit(capsys, tiny_model_dir):
     """Before: "0 sequences fit", then decode ceilings as if they did."""
-    from pipeline.perf.roofline import weight_bytes
+    from pipeline.model.roofline import weight_bytes
 
     cfg = config_from_hf(json.loads((tiny_model_dir / "config.json").read_text()), "config.json")
     memory_gb = 0.6 * weight_bytes(cfg, "fp32") / 1e9  # the weights need 1/0.6 devices of this size

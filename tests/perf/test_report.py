@@ -14,8 +14,8 @@ from matplotlib.image import imread
 
 from pipeline.engine.stats import EngineStats
 from pipeline.model.config import ModelConfig
+from pipeline.model.roofline import HardwareProfile, Roofline, precision
 from pipeline.perf.report import PLOTS, RunRecorder, render_html, write_report
-from pipeline.perf.roofline import HardwareProfile, Roofline, precision
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, tie_word_embeddings=True)

@@ -17,14 +17,7 @@ import yaml
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.llama import LlamaModel
-from pipeline.perf.probe import (
-    ProbeResult,
-    fill_hardware_config,
-    measure_bandwidth,
-    measure_int8_gemms,
-    measure_matmul_peak,
-)
-from pipeline.perf.roofline import (
+from pipeline.model.roofline import (
     HardwareProfile,
     Roofline,
     aggregate_bandwidth,
@@ -38,6 +31,13 @@ from pipeline.perf.roofline import (
     ridge_point,
     weight_bytes,
     weight_read_bytes,
+)
+from pipeline.perf.probe import (
+    ProbeResult,
+    fill_hardware_config,
+    measure_bandwidth,
+    measure_int8_gemms,
+    measure_matmul_peak,
 )
 from tests.reference import ContiguousKVCache
 
