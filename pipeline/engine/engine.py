@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pipeline.engine import batch_tuning
+from pipeline.engine.adapters import AdapterManager, LoraConfig
 from pipeline.engine.batch_tuning import PROMPT_TOKENS, BatchChoice, candidates, unmeasured
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.constraints import Constraints, constraint_key
@@ -37,6 +38,7 @@ from pipeline.engine.speculative import make_proposer
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.timing import Stamp, StepClock
 from pipeline.model.llama import LlamaModel, cpp_compiler
+from pipeline.model.lora.peft_file import AdapterError
 
 
 @dataclass
@@ -68,12 +70,13 @@ class _StepRows:
 
 class Engine:
     def __init__(self, loaded_model: Any, config: EngineConfig | None = None, make_runner: RunnerFactory = Runner,
-                 speculative: SpeculativeConfig | None = None, draft_model: Any = None):
+                 speculative: SpeculativeConfig | None = None, draft_model: Any = None,
+                 lora: LoraConfig | None = None):
         """`make_runner` builds the step executor once the KV pool is sized: the plain `Runner`, or the
         tensor-parallel runner that `pipeline.parallel.runner.open_model` hands out with a split model.
         An unsplit model on CUDA runs on `GpuRunner` (Triton paged attention, CUDA graphs) instead.
         `speculative` turns on speculative decoding; method draft needs `draft_model` (a `LlamaModel` with
-        the same vocabulary, on one rank)."""
+        the same vocabulary, on one rank). `lora` lets requests run LoRA adapters (`Request.adapter`)."""
         self.config = config = config or EngineConfig()
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -119,6 +122,8 @@ class Engine:
                                     self.max_batch_size, self.max_model_len)
         else:
             self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
+        self.adapters = AdapterManager(lora, self.model_config, self.runner.load_adapter) if lora else None
+        self.scheduler.adapters = self.adapters
         self.speculative = speculative or SpeculativeConfig()
         self.proposer = make_proposer(self.speculative, draft_model, self.model_config.vocab_size, num_blocks,
                                       config.block_size, self.device)
@@ -395,6 +400,9 @@ class Engine:
                     problem = str(e)
             if sampling.n > self.max_batch_size:
                 problem = problem or f"n={sampling.n} exceeds engine.max_batch_size={self.max_batch_size}"
+            adapter = getattr(request, "adapter", None)
+            if adapter is not None and not problem:
+                problem = self._adapter_problem(adapter)
         except (TypeError, ValueError) as exc:
             sampling, problem = None, str(exc)
         if problem:
@@ -408,7 +416,24 @@ class Engine:
         seq = self._sequence(rid, 0, prompt, sampling, seed)
         seq.matcher = matcher
         seq.num_children = sampling.n - 1
+        if adapter is not None:
+            seq.adapter = adapter
+            use = self.stats.adapters.setdefault(adapter, {"rows": 0, "prompt_tokens": 0, "generated_tokens": 0})
+            use["rows"] += 1
+            use["prompt_tokens"] += len(prompt)
         return seq
+
+    def _adapter_problem(self, adapter: Any) -> str | None:
+        """Why a request's LoRA adapter cannot run here (None: it can)."""
+        if self.adapters is None:
+            return f"adapter {adapter!r} given, but this engine runs no LoRA adapters (model.lora)"
+        if not isinstance(adapter, str) or not adapter:
+            return f"adapter must be a non-empty name or folder, got {adapter!r}"
+        try:
+            self.adapters.resolve(adapter)
+        except AdapterError as e:
+            return str(e)
+        return None
 
     def _prompt_problem(self, prompt: Any) -> str | None:
         if not isinstance(prompt, list | tuple) or not prompt:
@@ -458,6 +483,7 @@ class Engine:
                     parent.sampling, parent.base_seed,
                 )
                 child.num_cached = parent.num_cached
+                child.adapter = parent.adapter
                 child.prompt_logprobs = parent.prompt_logprobs  # the same prompt, scored once
                 if parent.matcher is not None:  # a fresh one: the parent's may be in the mask thread now
                     child.matcher = self._constraints.matcher(parent.sampling)
@@ -465,6 +491,8 @@ class Engine:
                     self.scheduler.waiting.appendleft(child)
                     continue
                 child.status = Status.RUNNING
+                if self.adapters is not None:
+                    self.adapters.acquire(child)  # its parent holds the adapter's slot: it is resident
                 self.scheduler.running.append(child)
                 rows.append(row)
                 out.append(child)
@@ -505,8 +533,11 @@ class Engine:
         cache back past the last kept token. True when the sample is finished."""
         guessed = len(seq.draft)
         finished = False
+        use = self.stats.adapters[seq.adapter] if seq.adapter is not None else {}
         for token, logprobs in zip(outcome.token_ids, outcome.logprobs):
             self.stats.decode_tokens += 1
+            if use:
+                use["generated_tokens"] += 1
             if self._append(seq, token, logprobs):
                 finished = True
                 break

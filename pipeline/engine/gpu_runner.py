@@ -35,6 +35,8 @@ from kernels.paged_attention import (
 )
 from pipeline.engine.runner import StepBatch, copy_blocks, shared_prefixes
 from pipeline.model.llama import LlamaModel
+from pipeline.model.lora.delta import LoraStep
+from pipeline.model.lora.peft_file import read_adapter
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
@@ -263,7 +265,9 @@ class GpuRunner:
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; float32 logits [len(batch.logits_rows), vocab] on the device."""
         d = batch.num_decodes
-        bucket = graph_bucket(d, self.buckets) if self._graphs and self._graph_step(batch) else None
+        lora = self.model.lora_step(batch.lora_slots)  # a step with LoRA deltas runs eagerly, not from a graph
+        graph = self._graphs and self._graph_step(batch) and lora is None
+        bucket = graph_bucket(d, self.buckets) if graph else None
         if bucket is not None and batch.block_tables.shape[1] <= self.graph_table_width:
             graph, static, _, logits = self._graphs[bucket]
             plan = self._plan(batch, bucket)
@@ -273,7 +277,7 @@ class GpuRunner:
             return logits[:d]
         plan = self._plan(batch)
         self.attn.copy_blocks(plan.copies)
-        return self.run(plan, self.upload(plan))
+        return self.run(plan, self.upload(plan), lora)
 
     @staticmethod
     def _graph_step(batch: StepBatch) -> bool:
@@ -292,11 +296,15 @@ class GpuRunner:
                          table_width=self.graph_table_width if bucket else None, scratch_slot=self.attn.scratch_slot,
                          window=self.attn.window)
 
-    def run(self, plan: StepPlan, device_flat: torch.Tensor) -> torch.Tensor:
+    def load_adapter(self, slot: int, path: str, slots: int) -> None:
+        """Place the LoRA adapter at `path` in `slot` of the model's `slots` resident adapters."""
+        self.model.enable_lora(slots).load(slot, read_adapter(path, self.model.config))
+
+    def run(self, plan: StepPlan, device_flat: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         """The device part of a step (no host reads): model, then the logits of the sampling rows."""
         step = StepViews.of(plan, device_flat)
         self.attn.step = step
-        hidden = self.model(step.input_ids, step.positions, self.attn)
+        hidden = self.model(step.input_ids, step.positions, self.attn, lora)
         if plan.graph:  # every row samples
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))

@@ -10,6 +10,10 @@ to each registration and never reused), so a hash collision, or a parent evicted
 never yield a wrong hit: a hit means the whole prefix up to that block is token-for-token equal.
 Blocks whose count drops to zero stay registered in the free queue, which doubles as the LRU: new
 blocks are taken from its front, evicting the registration they carried (least recently freed first).
+
+A block's keys and values depend on the LoRA adapter that computed them, so a sequence's chain starts at
+its adapter's root: the root hash and the first block's parent serial are the adapter's own (a serial given
+once per adapter, never reused), so no block is shared across adapters, nor with the base model.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ _NO_IDENTITY = -1  # a block whose content could not be registered (hash collisi
 
 
 def extend_block_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list[int]:
-    """Chained hashes of the full blocks inside seq.token_ids[:num_tokens] (memoized on the sequence)."""
+    """Chained hashes of the full blocks inside seq.token_ids[:num_tokens] (memoized on the sequence), the
+    chain rooted at seq's adapter."""
     hashes = seq.block_hashes
     for i in range(len(hashes), num_tokens // block_size):
-        parent = hashes[-1] if hashes else _ROOT
+        parent = hashes[-1] if hashes else (_ROOT if seq.adapter is None else hash((_ROOT, seq.adapter)))
         hashes.append(hash((parent, tuple(seq.token_ids[i * block_size : (i + 1) * block_size]))))
     return hashes
 
@@ -50,6 +55,7 @@ class KVCacheManager:
         self.parent_serial_of: list[int | None] = [None] * num_blocks
         self.children: dict[int, set[int]] = {}  # parent serial -> registered blocks continuing it
         self._next_serial = 1
+        self._roots: dict[str, int] = {}  # adapter -> the parent serial of its chains' first blocks
         self.evictions = 0
         # (src, dst) block copies the runner must make before the next forward: partial-block reuse and forks.
         self.pending_copies: list[tuple[int, int]] = []
@@ -67,6 +73,15 @@ class KVCacheManager:
         return all(c == 0 for c in self.ref_count) and len(self.free) == self.num_blocks
 
     # -- prefix cache -------------------------------------------------------------------------------
+    def _root(self, seq: Sequence) -> int:
+        """The parent serial of seq's first block: _ROOT for the base model, its adapter's own otherwise."""
+        if seq.adapter is None:
+            return _ROOT
+        if seq.adapter not in self._roots:
+            self._roots[seq.adapter] = self._next_serial
+            self._next_serial += 1
+        return self._roots[seq.adapter]
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks equal to the leading full blocks of seq, stopping >= 1 token short of its end
         (the last position must be computed to get logits). None for a request that wants prompt logprobs:
@@ -78,7 +93,7 @@ class KVCacheManager:
         if seq.sampling.prompt_logprobs:  # hashes still wanted: its blocks get cached for others
             return []
         matched: list[int] = []
-        parent_serial = _ROOT
+        parent_serial = self._root(seq)
         for i in range(limit):
             block = self.cached.get(hashes[i])
             if block is None or self.parent_serial_of[block] != parent_serial:
@@ -97,7 +112,7 @@ class KVCacheManager:
             return None
         start = len(matched) * self.block_size
         want = seq.token_ids[start : start + min(self.block_size, seq.num_tokens - 1 - start)]
-        parent = self.serial_of[matched[-1]] if matched else _ROOT
+        parent = self.serial_of[matched[-1]] if matched else self._root(seq)
         best = None
         for block in self.children.get(parent, ()):
             r = 0
@@ -134,7 +149,7 @@ class KVCacheManager:
         full = seq.num_computed // bs
         hashes = extend_block_hashes(seq, bs, full * bs)
         for i in range(len(seq.block_serials), full):
-            parent_serial = seq.block_serials[i - 1] if i else _ROOT
+            parent_serial = seq.block_serials[i - 1] if i else self._root(seq)
             if parent_serial == _NO_IDENTITY:
                 seq.block_serials.append(_NO_IDENTITY)
                 continue

@@ -140,6 +140,7 @@ class Request:
     id: Any
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # a LoRA adapter's name or folder (pipeline.engine.adapters); None: the base model
 
 
 @dataclass

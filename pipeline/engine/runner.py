@@ -35,6 +35,7 @@ from pipeline.engine.host_memory import keep_step_buffers
 from pipeline.engine.sequence import Sequence
 from pipeline.model.attention import causal_attention
 from pipeline.model.llama import LlamaModel
+from pipeline.model.lora.peft_file import read_adapter
 from pipeline.model.native_decode import NativeRows
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class StepBatch:
     num_decodes: int  # the first num_decodes sequences have exactly one query row
     logits_rows: torch.Tensor  # [S] int64: rows whose logits are wanted
     block_copies: torch.Tensor = field(default_factory=lambda: torch.empty(0, 2, dtype=torch.long))  # [C, 2]
+    # [T] int64: the resident LoRA slot each token runs (-1: the base model); empty when no token has one
+    lora_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +79,9 @@ def build_batch(
 
     A speculating sequence's tokens continue into its guesses (`seq.draft`): it is a short prefill chunk
     whose last 1 + len(draft) rows all give logits (one per guess to check, plus the next token)."""
-    work = sorted(work, key=lambda w: w[1])  # fewest tokens first (decodes, then short chunks), stable
+    # fewest tokens first (decodes, then short chunks), then by LoRA slot so that the decodes of one adapter
+    # are one run of the step's deltas (pipeline.model.lora.delta); stable
+    work = sorted(work, key=lambda w: (w[1], w[0].lora_slot))
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -102,6 +107,8 @@ def build_batch(
             rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
             samplers.append(seq)
     width = max(len(seq.block_table) for seq, _ in work)
+    adapters = any(seq.lora_slot >= 0 for seq, _ in work)
+    lora_slots = [seq.lora_slot for seq, n in work for _ in range(n)] if adapters else []
     # one tensor from zero-padded lists: a tensor and a row write per sequence took milliseconds at 256 rows
     tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in work],
                           dtype=torch.long)
@@ -115,6 +122,7 @@ def build_batch(
         num_decodes=sum(1 for _, n in work if n == 1),
         logits_rows=torch.tensor(rows + prompt_rows, dtype=torch.long),
         block_copies=torch.tensor(list(block_copies), dtype=torch.long).reshape(-1, 2),
+        lora_slots=torch.tensor(lora_slots, dtype=torch.long),
     )
     return batch, samplers, spans
 
@@ -427,12 +435,19 @@ class Runner:
         model's head can (`LlamaModel.greedy_tokens`)."""
         return self.model.greedy_tokens(self._sampling_hidden(batch))
 
+
+    def load_adapter(self, slot: int, path: str, slots: int) -> None:
+        """Place the LoRA adapter at `path` (a local folder, checked by the caller) in `slot` of the model's
+        `slots` resident adapters."""
+        self.model.enable_lora(slots).load(slot, read_adapter(path, self.model.config))
+
     def _sampling_hidden(self, batch: StepBatch) -> torch.Tensor:
         """The model's final hidden states of the rows whose logits the step wants."""
+        lora = self.model.lora_step(batch.lora_slots.cpu())
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         self.attn.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn, lora)
         return hidden.index_select(0, batch.logits_rows)
 
 
@@ -445,6 +460,8 @@ class StepRunner(Protocol):
     def execute(self, batch: StepBatch) -> torch.Tensor: ...
 
     def execute_greedy(self, batch: StepBatch) -> torch.Tensor: ...
+
+    def load_adapter(self, slot: int, path: str, slots: int) -> None: ...
 
 
 # (model, num_blocks, block_size, device) -> runner; `Runner` itself, or a tensor-parallel one.

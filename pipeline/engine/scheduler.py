@@ -17,14 +17,21 @@ by many waiting rows is computed once rather than once per row admitted in the s
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pipeline.engine.kv_cache import KVCacheManager, extend_block_hashes
 from pipeline.engine.sequence import Sequence, Status
 
+if TYPE_CHECKING:
+    from pipeline.engine.adapters import AdapterManager
+
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_batched_tokens: int, max_batch_size: int):
+    def __init__(self, kv: KVCacheManager, max_batched_tokens: int, max_batch_size: int,
+                 adapters: AdapterManager | None = None):
+        """`adapters`: a LoRA run's resident adapters; a sample is admitted once its adapter has a slot."""
         self.kv = kv
+        self.adapters = adapters
         self.max_batched_tokens = max_batched_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()
@@ -91,6 +98,8 @@ class Scheduler:
             reclaimed = sum(1 for b in matched if self.kv.ref_count[b] == 0)  # taken out of the free queue
             if -(-(start + n) // bs) - len(matched) + reclaimed > self.kv.num_free:
                 break
+            if self.adapters is not None and not self.adapters.acquire(seq):
+                break  # every adapter slot is held by running samples
             self.waiting.popleft()
             self.kv.admit(seq, matched, partial)
             if not self.kv.allocate(seq, n):
@@ -128,6 +137,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.release(seq)
+        self._release_adapter(seq)
         seq.draft = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -136,4 +146,9 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.release(seq)
+        self._release_adapter(seq)
         seq.status = Status.FINISHED
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if self.adapters is not None:
+            self.adapters.release(seq)

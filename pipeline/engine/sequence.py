@@ -75,6 +75,10 @@ class Sequence:
     # token_ids until accepted), and how many this sequence may guess (adapted with speculative.adaptive_k).
     draft: list[int] = field(default_factory=list)
     spec_k: int = 0
+    # LoRA: the adapter this sample runs (its key in `pipeline.engine.adapters`; None: the base model), part
+    # of its blocks' prefix-cache identity, and the resident slot it holds while running (-1: none)
+    adapter: str | None = None
+    lora_slot: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@ step). The job's metrics, its progress line and its report's time series all rea
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # The state after the engine's latest step, not sums; not part of `as_dict` (_metrics.json's "engine").
@@ -41,6 +41,8 @@ class EngineStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_checks: int = 0
+    # LoRA: per adapter (Request.adapter), its requests, their prompt tokens and the tokens they generated
+    adapters: dict[str, dict[str, int]] = field(default_factory=dict)
     running: int = 0  # sequences in the running batch
     kv_blocks_used: int = 0  # KV blocks not in the free queue
     kv_blocks_total: int = 0

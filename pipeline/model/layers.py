@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.argmax import row_argmax
+from pipeline.model.lora.delta import add_lora
 from pipeline.parallel.group import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
@@ -198,9 +199,11 @@ class ParallelLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a bound LoRA step's deltas join the base product: before the all-reduce of a row-parallel layer,
+        # so each rank's partial delta is summed with its partial product, once (pipeline.model.lora.delta)
         if self.shard_dim == 0:
-            return self.linear(x, self.bias)
-        y = self.tp.all_reduce(self.linear(x, None))
+            return add_lora(self, x, self.linear(x, self.bias))
+        y = self.tp.all_reduce(add_lora(self, x, self.linear(x, None)))
         return y if self.bias is None else y + self.bias
 
 

@@ -30,6 +30,8 @@ from pipeline.model.layers import (
     apply_rope,
     compiled_copy,
 )
+from pipeline.model.lora.delta import LoraStep, bound_lora
+from pipeline.model.lora.table import LoraTable
 from pipeline.model.native_decode import NativeDecodeLayers, native_decode_layers
 from pipeline.parallel.group import SINGLE, TPGroup
 
@@ -156,6 +158,7 @@ class LlamaModel(nn.Module):
         # W8A8 steps' layers in one native call where the model and step allow (set by `use_native_layers`)
         self.native_layers: NativeDecodeLayers | None = None
         self.layer_runs = [tuple(self.layers)]  # cut into shorter runs when compiled
+        self.lora: LoraTable | None = None  # resident LoRA adapters (`enable_lora`)
 
     @property
     def compiled(self) -> bool:
@@ -183,23 +186,39 @@ class LlamaModel(nn.Module):
         # into two loops around the GEMM (eager, the scaling alone passes over [rows, vocab] three times)
         self.lm_head.compile(dynamic=True)
 
+    def enable_lora(self, slots: int) -> LoraTable:
+        """Room for `slots` resident LoRA adapters (`pipeline.model.lora.table`), made once."""
+        if self.lora is None:
+            self.lora = LoraTable(self, slots)
+        return self.lora
+
     def use_native_layers(self) -> bool:
         """Run W8A8 steps' decoder layers in one native call (`pipeline.model.native_decode`) where this
         model can (else logged why not); returns whether it will."""
         self.native_layers = native_decode_layers(self)
         return self.native_layers is not None
 
+    def lora_step(self, slots: torch.Tensor) -> LoraStep | None:
+        """The LoRA deltas of a step whose token t runs the adapter in slot `slots[t]` (a host tensor, -1 or
+        empty: the base model), or None when there are none (`pipeline.model.lora`)."""
+        return None if self.lora is None or not slots.numel() else self.lora.step(slots)
+
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                lora: LoraStep | None = None) -> torch.Tensor:
+        """`lora`: the step's adapter deltas (`lora_step`). Such a step runs the layers eagerly: the native
+        layers and compiled graphs have no deltas in them."""
         if self.kernel_choice is not None:
             self.kernel_choice.record(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         native_rows = getattr(attn, "native_rows", None)  # the paged attention's native kernel, if it has one
-        if self.native_layers is None or native_rows is None or not self.native_layers.run(x, positions, native_rows()):
+        if lora is not None or self.native_layers is None or native_rows is None \
+                or not self.native_layers.run(x, positions, native_rows()):
             cos_sin = self.rope(positions)
-            with bound_backend(attn):
+            run_layers = self.run_layers if lora is None else _run_layers
+            with bound_backend(attn), bound_lora(lora):
                 for run in self.layer_runs:
-                    x = self.run_layers(run, x, cos_sin)
+                    x = run_layers(run, x, cos_sin)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -63,10 +63,16 @@ class ShardSpec:
         return RunnerWorker(self.load(group, device).model, torch.device(device))
 
 
+def pack_adapter(slot: int, path: str, slots: int) -> list[torch.Tensor]:
+    """A LoRA adapter load as a two-tensor message: (slot, slots) and the folder's path as UTF-8 bytes."""
+    return [torch.tensor([slot, slots]), torch.frombuffer(bytearray(path.encode()), dtype=torch.uint8)]
+
+
 class RunnerWorker:
     """A worker's executor. A one-tensor message (re)sizes the KV pools as rank 0's new engine sized them
-    (only rank 0 knows the engine config); every other message is one `StepBatch` to run. One engine at a
-    time per tensor-parallel model."""
+    (only rank 0 knows the engine config); a two-tensor message loads a LoRA adapter into a slot
+    (`pack_adapter`: every rank reads the folder rank 0 checked and keeps its own shard); every other
+    message is one `StepBatch` to run. One engine at a time per tensor-parallel model."""
 
     def __init__(self, model: LlamaModel, device: torch.device):
         self.model = model
@@ -78,6 +84,9 @@ class RunnerWorker:
             num_blocks, block_size = inputs[0].tolist()
             self.runner = None  # free the old pools before allocating the new ones
             self.runner = Runner(self.model, num_blocks, block_size, self.device)
+        elif len(inputs) == 2:
+            (slot, slots), path = inputs[0].tolist(), bytes(inputs[1].cpu().numpy()).decode()
+            self.runner.load_adapter(slot, path, slots)
         else:
             self.runner.execute(unpack_batch([t.to(self.device) for t in inputs]))
 
@@ -101,6 +110,11 @@ class TPRunner:
         """The workers run the step as always; here the head gathers the vocabulary slices and takes the
         argmax (`LMHead.greedy` under tensor parallelism)."""
         return self.driver.step(pack_batch(batch), lambda: self.local.execute_greedy(batch))
+
+    def load_adapter(self, slot: int, path: str, slots: int) -> None:
+        """Every rank places its shard of the adapter in `slot`."""
+        self.driver.send(pack_adapter(slot, path, slots))
+        self.local.load_adapter(slot, path, slots)
 
 
 @dataclass
