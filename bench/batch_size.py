@@ -24,9 +24,9 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.runner import kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
+from pipeline.model.quant_choice import choose_quant
 from pipeline.model.roofline import HardwareProfile
 from pipeline.perf.probe import cpu_flags, probe
-from pipeline.perf.quant_choice import choose_quant
 
 
 def main() -> None:

@@ -165,9 +165,9 @@ def auto_options() -> dict:
     """How model.quant=auto loads on this machine (probe, then the roofline choice); `run_format` then times
     a weight-only choice's crossing on the model, as the job does (`auto_choice` keeps the choice for it)."""
     from pipeline.model.loader import default_model_path, open_model_file
+    from pipeline.model.quant_choice import choose_quant
     from pipeline.model.roofline import HardwareProfile
     from pipeline.perf.probe import probe
-    from pipeline.perf.quant_choice import choose_quant
 
     hw = probe()
     profile = HardwareProfile("cpu", hw.bandwidth, hw.flops, hw.memory)

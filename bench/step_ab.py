@@ -35,9 +35,9 @@ def worker(checkout: str, workload: str, batch: int, steps: int) -> None:
     from pipeline.engine.engine import Engine
     from pipeline.engine.host_memory import keep_step_buffers
     from pipeline.model.loader import default_model_path, load_model
+    from pipeline.model.quant_choice import choose_quant
     from pipeline.model.roofline import HardwareProfile
     from pipeline.perf.probe import probe
-    from pipeline.perf.quant_choice import choose_quant
 
     keep_step_buffers()
     hw = probe()

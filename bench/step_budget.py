@@ -31,10 +31,10 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
 from pipeline.engine.runner import StepBatch, kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
+from pipeline.model.quant_choice import choose_quant
 from pipeline.model.roofline import HardwareProfile
 from pipeline.model.w8a8_gemm import gemm_pass, int8_parts
 from pipeline.perf.probe import cpu_flags, probe
-from pipeline.perf.quant_choice import choose_quant
 from pipeline.stopwatch import best_seconds
 
 

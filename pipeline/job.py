@@ -40,11 +40,11 @@ if TYPE_CHECKING:
     from pipeline.engine.engine import Engine
     from pipeline.model.llama import LlamaModel
     from pipeline.model.loader import LoadedModel
+    from pipeline.model.quant_choice import QuantChoice
     from pipeline.model.roofline import HardwareProfile, Roofline
     from pipeline.model.startup_cache import StartupCache
     from pipeline.parallel.runner import ShardedModel
     from pipeline.perf.probe import ProbeResult
-    from pipeline.perf.quant_choice import QuantChoice
     from pipeline.perf.report import RunRecorder
 
 log = logging.getLogger("pipeline")
@@ -126,7 +126,7 @@ def _choose_quant(cfg: JobConfig, model_path: str, hw: HardwareProfile | None) -
     """Resolve model.quant=auto: on one CPU rank, by regime from the hardware profile's peaks (the probe's);
     elsewhere the model's float weights (`_auto_keeps_float`). Logged with why."""
     from pipeline.model.loader import open_model_file
-    from pipeline.perf.quant_choice import QuantChoice, choose_quant
+    from pipeline.model.quant_choice import QuantChoice, choose_quant
 
     why = _auto_keeps_float(cfg)
     if why:

@@ -1,6 +1,6 @@
 """`model.quant=auto` on CPU: from how many rows W8A8 beats the weight-only kernels, timed on the model itself.
 
-The roofline (`pipeline.perf.quant_choice`) places each batch size in its regime from the probe's peaks, but
+The roofline (`pipeline.model.quant_choice`) places each batch size in its regime from the probe's peaks, but
 at small batches neither kernel runs near its roofline, and by how much each misses differs from CPU to CPU.
 On a Zen 5 the roofline put SmolLM2's crossing at 6 rows, while a batch-1 job decoded 50-52 tok/s on the
 packed Q4_1 kernels and 82-93 in W8A8. So where auto loaded both layouts, it times both on the loaded model
@@ -22,7 +22,7 @@ import torch
 
 from kernels.dispatch import int8_outputs, packed_matmul, quantize_for_gemm, wq_matmul
 from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
-from pipeline.perf.quant_choice import QuantChoice
+from pipeline.model.quant_choice import QuantChoice
 from pipeline.stopwatch import alternating_best
 
 # Row counts timed: 1, 2, 4 ... up to this. Larger batches are compute-bound, where the roofline's peaks

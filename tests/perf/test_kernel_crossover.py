@@ -8,9 +8,9 @@ import torch
 from kernels.wq_cpu import weight_only_kernels_fast
 from pipeline.model.attention import WholeSequence
 from pipeline.model.loader import load_model
+from pipeline.model.quant_choice import QuantChoice
 from pipeline.perf import kernel_crossover
 from pipeline.perf.kernel_crossover import apply_measured_crossover, crossing, measure_crossover
-from pipeline.perf.quant_choice import QuantChoice
 
 
 @pytest.mark.parametrize("seconds,rows", [

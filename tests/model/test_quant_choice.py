@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.model.config import ModelConfig
+from pipeline.model.quant_choice import choose_quant
 from pipeline.model.roofline import HardwareProfile
-from pipeline.perf.quant_choice import choose_quant
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
