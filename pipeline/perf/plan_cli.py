@@ -115,15 +115,14 @@ def read_model(path: str | None, cache_dir: str | None = None) -> tuple[ModelCon
 
 def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[list[int]], int]:
     """Token ids of the first `rows` runnable rows of the input (as the job builds them), and the row count."""
-    from pipeline.source.files import ParquetSource, batch_rows
-    from pipeline.source.prompts import PromptBuilder
+    from pipeline.source.formats import open_source, prompt_builder
 
-    source = ParquetSource(job.input.path)
-    builder = PromptBuilder(tokenizer, job.input, job.sampling, max_model_len)
+    source = open_source(job)
+    builder = prompt_builder(job, tokenizer, max_model_len)
     columns = [c for c in (job.input.prompt_column, job.input.messages_column, *job.input.sampling_columns) if c]
     seqs: list[list[int]] = []
-    for _, _, batch in source.batches(columns, min(rows, job.input.batch_rows)):
-        for row in batch_rows(batch):
+    for file, start, batch in source.batches(columns, min(rows, job.input.batch_rows)):
+        for row in source.rows(file, start, batch):
             prepared = builder.prepare(row)
             if prepared.token_ids is not None:
                 seqs.append(prepared.token_ids)

@@ -9,8 +9,8 @@ from typing import Any
 from pipeline.errors import JobError
 from pipeline.plan.digests import WindowDigests
 from pipeline.plan.units import Unit, WorkPlan, group_units_by_window
-from pipeline.source.files import ParquetSource, SourceFile
-from pipeline.source.files import batch_rows as rows_of
+from pipeline.source.files import SourceFile
+from pipeline.source.formats import Source
 
 
 class UnitRows:
@@ -44,7 +44,7 @@ class UnitRows:
         return self.retry.get(unit.index, range(unit.num_rows))
 
 
-def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns: list[str], batch_rows: int,
+def rows_to_do(source: Source, plan: WorkPlan, todo: list[Unit], columns: list[str], batch_rows: int,
                digests: WindowDigests, unit_rows: UnitRows,
                planner: Callable[[list[dict]], list[tuple[int, Any]]] | None = None,
                stopping: Callable[[], bool] = lambda: False,
@@ -72,7 +72,7 @@ def rows_to_do(source: ParquetSource, plan: WorkPlan, todo: list[Unit], columns:
         digests.add(file.name, batch)
         if not any(w in by_window for w in range(lo // wr, (hi - 1) // wr + 1)):
             continue
-        for i, row in enumerate(rows_of(batch)):
+        for i, row in enumerate(source.rows(file, start, batch)):
             g = lo + i
             if g // wr not in by_window:
                 continue

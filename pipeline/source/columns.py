@@ -1,4 +1,4 @@
-"""Which input columns a job reads, the types each accepts, and the id column's type."""
+"""Which input columns a job reads and the types each accepts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.config import JobConfig
-from pipeline.errors import JobError
-from pipeline.source.files import ColumnSpec, ParquetSource
+from pipeline.source.files import ColumnSpec
 from pipeline.source.sampling_columns import column_type
 
 
@@ -48,12 +47,3 @@ def read_columns(inp: Mapping[str, Any]) -> list[str]:
     sampling; each once). `inp`: the resolved `input` section, as the job and its fingerprint hold it."""
     return list(dict.fromkeys([inp["messages_column"] or inp["prompt_column"], inp["id_column"],
                                *inp["passthrough_columns"], *inp["sampling_columns"]]))
-
-
-def id_type(source: ParquetSource, column: str, types: dict[str, pa.DataType]) -> pa.DataType | None:
-    """The id column's type, or None when ids are `<file>:<row>`; every file must agree on which."""
-    having = [s.name for s in source.files if column in s.schema.names]
-    if having and len(having) < len(source.files):
-        lacking = next(s.name for s in source.files if column not in s.schema.names)
-        raise JobError(f"{lacking}: no id column {column!r} (input.id_column) although {having[0]} has one")
-    return types[column] if having else None

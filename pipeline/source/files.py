@@ -78,8 +78,10 @@ def _row(batch: pa.RecordBatch, i: int) -> dict:
     return row
 
 
-def _listing(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> list[tuple[str, int]]:
-    """(path, size) of the Parquet files one input.path entry names, sorted."""
+def listing(fs: fsspec.AbstractFileSystem, path: str, shown: str,
+            suffixes: tuple[str, ...] = (".parquet",)) -> list[tuple[str, int]]:
+    """(path, size) of the files one input.path entry names, sorted; a directory's are those below it whose
+    names end with one of `suffixes`."""
     if any(c in path for c in _GLOB_CHARS):
         found = fs.glob(path, detail=True)
         files = [(p, info.get("size") or 0) for p, info in found.items() if info.get("type") == "file"]
@@ -90,10 +92,10 @@ def _listing(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> list[tuple
         files = [
             (p, info.get("size") or 0)
             for p, info in found.items()
-            if p.endswith(".parquet") and not posixpath.basename(p).startswith(("_", "."))
+            if p.endswith(suffixes) and not posixpath.basename(p).startswith(("_", "."))
         ]
         if not files:
-            raise JobError(f"input.path {shown!r} is a directory with no .parquet files")
+            raise JobError(f"input.path {shown!r} is a directory with no {' or '.join(suffixes)} files")
     elif fs.isfile(path):
         files = [(path, fs.size(path) or 0)]
     else:
@@ -125,29 +127,32 @@ def _read_footer(fs: fsspec.AbstractFileSystem, path: str, name: str) -> tuple[i
         raise JobError(f"cannot read Parquet file {name}: {e}") from None
 
 
-class ParquetSource:
-    """The input files of one job, checked against the columns it needs."""
+def list_input(path: str | Sequence[str], suffixes: tuple[str, ...],
+               storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, list[tuple[str, str, int]]]:
+    """The filesystem and the (path, name, size) of every input file, in listing order: each entry sorted, a
+    file named twice read once; `name` is relative to the files' common folder (used in ids and messages)."""
+    entries = [path] if isinstance(path, str) else list(path)
+    if not entries:
+        raise JobError("input.path is an empty list")
+    fs, _ = url_to_fs(entries[0], **(storage_options or {}))
+    listed: dict[str, int] = {}  # path -> size, in listing order
+    for entry in entries:
+        entry_fs, entry_path = url_to_fs(entry, **(storage_options or {}))
+        if entry_fs.protocol != fs.protocol:
+            raise JobError(f"input.path mixes filesystems: {entries[0]!r} and {entry!r}")
+        for p, size in listing(fs, entry_path, entry, suffixes):
+            listed.setdefault(p, size)
+    files = list(listed.items())
+    root = posixpath.commonpath([p for p, _ in files]) if len(files) > 1 else posixpath.dirname(files[0][0])
+    return fs, [(p, posixpath.relpath(p, root) if root else p, size) for p, size in files]
 
-    def __init__(self, path: str | Sequence[str], storage_options: dict | None = None) -> None:
-        entries = [path] if isinstance(path, str) else list(path)
-        if not entries:
-            raise JobError("input.path is an empty list")
-        fs, _ = url_to_fs(entries[0], **(storage_options or {}))
-        listed: dict[str, int] = {}  # path -> size, in listing order; a file named twice is read once
-        for entry in entries:
-            entry_fs, entry_path = url_to_fs(entry, **(storage_options or {}))
-            if entry_fs.protocol != fs.protocol:
-                raise JobError(f"input.path mixes filesystems: {entries[0]!r} and {entry!r}")
-            for p, size in _listing(fs, entry_path, entry):
-                listed.setdefault(p, size)
-        files = list(listed.items())
-        self.fs = fs
-        root = posixpath.commonpath([p for p, _ in files]) if len(files) > 1 else posixpath.dirname(files[0][0])
-        self.files: list[SourceFile] = []
-        for p, size in files:
-            name = posixpath.relpath(p, root) if root else p
-            num_rows, schema, content = _read_footer(fs, p, name)
-            self.files.append(SourceFile(p, name, size, num_rows, schema, content))
+
+class InputFiles:
+    """Listed input files on one filesystem: what the plan, the fingerprint and `verify` need of any format."""
+
+    fs: fsspec.AbstractFileSystem
+    files: list[SourceFile]
+    carried: tuple[str, ...] = ()  # row keys the job copies to its output rows for the output format
 
     def content(self) -> dict[str, str]:
         """Each file's content identity, by name (part of the job fingerprint)."""
@@ -160,6 +165,17 @@ class ParquetSource:
     @property
     def total_rows(self) -> int:
         return sum(s.num_rows for s in self.files)
+
+
+class ParquetSource(InputFiles):
+    """The input files of one job, checked against the columns it needs."""
+
+    def __init__(self, path: str | Sequence[str], storage_options: dict | None = None) -> None:
+        self.fs, files = list_input(path, (".parquet",), storage_options)
+        self.files = []
+        for p, name, size in files:
+            num_rows, schema, content = _read_footer(self.fs, p, name)
+            self.files.append(SourceFile(p, name, size, num_rows, schema, content))
 
     def check_columns(self, specs: Sequence[ColumnSpec]) -> dict[str, pa.DataType]:
         """Check every file has each required column with an accepted type, the same in every file.
@@ -189,6 +205,18 @@ class ParquetSource:
                         f"{file.name}: column {spec.name!r} has type {dtype} but earlier files have {seen}"
                     )
         return types
+
+    def id_field(self, column: str, types: dict[str, pa.DataType]) -> tuple[str, pa.DataType] | None:
+        """(the id column, its type), or None when ids are `<file>:<row>`; every file must agree on which."""
+        having = [s.name for s in self.files if column in s.schema.names]
+        if having and len(having) < len(self.files):
+            lacking = next(s.name for s in self.files if column not in s.schema.names)
+            raise JobError(f"{lacking}: no id column {column!r} (input.id_column) although {having[0]} has one")
+        return (column, types[column]) if having else None
+
+    def rows(self, file: SourceFile, start: int, batch: pa.RecordBatch) -> list[dict]:
+        """The rows of one of `batches`' batches, as the job reads them (`batch_rows`)."""
+        return batch_rows(batch)
 
     def batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[tuple[SourceFile, int, pa.RecordBatch]]:
         """Yield (file, index of the batch's first row in the file, batch) in listing order.
