@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pipeline.model.loader import load_model  # noqa: E402
 from pipeline.model.quant import linear_weight_bytes  # noqa: E402
-from pipeline.perf.kernel_crossover import apply_measured_crossover, rows_to_load  # noqa: E402
+from pipeline.model.w8a8_crossover import apply_measured_crossover, rows_to_load  # noqa: E402
 
 TEXT_MODULES = ["argparse", "textwrap", "pathlib", "string", "statistics", "calendar", "difflib", "shutil",
                 "json", "dataclasses", "fractions", "configparser", "csv", "heapq", "bisect", "queue"]

@@ -43,7 +43,7 @@ from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import default_model_path, load_model
 from pipeline.model.quant_choice import choose_quant
 from pipeline.model.roofline import HardwareProfile, forward_bytes, forward_flops
-from pipeline.perf.kernel_crossover import apply_measured_crossover, rows_to_load
+from pipeline.model.w8a8_crossover import apply_measured_crossover, rows_to_load
 from pipeline.perf.probe import cpu_flags, probe
 
 _TOPICS = ["rivers", "volcanoes", "bread", "chess", "satellites", "bees", "glass", "tea", "bridges", "owls",

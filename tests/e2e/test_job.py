@@ -344,11 +344,11 @@ def test_a_second_auto_start_reads_what_the_first_derived(tmp_path, tiny_model_d
     def refuse(*a, **k):
         raise AssertionError("a second start must read this from the startup cache")
 
-    from pipeline.model import layers, loader, w8a8_gemm
-    from pipeline.perf import kernel_crossover, probe
+    from pipeline.model import layers, loader, w8a8_crossover, w8a8_gemm
+    from pipeline.perf import probe
 
     for module, name in [(probe, "probe"), (loader, "load_quantized"), (w8a8_gemm, "alternating_best"),
-                         (kernel_crossover, "measure_crossover"), (layers, "vector_isa_ok")]:
+                         (w8a8_crossover, "measure_crossover"), (layers, "vector_isa_ok")]:
         monkeypatch.setattr(module, name, refuse)
     from torch._inductor import config
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kernels.wq_cpu import weight_only_kernels_fast
+from pipeline.model import w8a8_crossover
 from pipeline.model.attention import WholeSequence
 from pipeline.model.loader import load_model
 from pipeline.model.quant_choice import QuantChoice
-from pipeline.perf import kernel_crossover
-from pipeline.perf.kernel_crossover import apply_measured_crossover, crossing, measure_crossover
+from pipeline.model.w8a8_crossover import apply_measured_crossover, crossing, measure_crossover
 
 
 @pytest.mark.parametrize("seconds,rows", [
@@ -62,8 +62,8 @@ def test_apply_measured_crossover_keeps_a_roofline_crossing_beyond_the_sizes_tim
     model = quantized(tiny_model_dir)
     roofline = QuantChoice("int4", 48, "int8", "roofline figures")
     never = {1: (1.0, 2.0), 2: (1.0, 2.0)}
-    monkeypatch.setattr(kernel_crossover, "measure_crossover",
-                        lambda m, rows: kernel_crossover.Crossover(crossing(never), never))
+    monkeypatch.setattr(w8a8_crossover, "measure_crossover",
+                        lambda m, rows: w8a8_crossover.Crossover(crossing(never), never))
     assert apply_measured_crossover(roofline, model, 256)[0].w8a8_rows == 48  # W8A8 may still win past 2 rows
     assert model.kernel_choice.w8a8_rows == 48
     within = QuantChoice("int4", 2, "int8", "roofline figures")
@@ -81,8 +81,8 @@ def test_w8a8_from_one_row_frees_the_weight_only_layouts(tiny_model_dir, monkeyp
         before = model.compute_logits(model(ids, torch.arange(3), WholeSequence(model.scale)))
     bytes_before = sum(b.numel() * b.element_size() for b in model.buffers())
     early = {1: (2.0, 1.0), 2: (2.0, 1.0)}
-    monkeypatch.setattr(kernel_crossover, "measure_crossover",
-                        lambda m, rows: kernel_crossover.Crossover(crossing(early), early))
+    monkeypatch.setattr(w8a8_crossover, "measure_crossover",
+                        lambda m, rows: w8a8_crossover.Crossover(crossing(early), early))
     chosen = apply_measured_crossover(QuantChoice("int4", 6, "int8", "roofline figures"), model, 256)[0]
     assert chosen.w8a8_rows == 1 and "weight-only layouts freed" in chosen.reason
     assert model.kernel_choice.weight_only == "" and model.kernel_choice.uses_w8a8(1)
