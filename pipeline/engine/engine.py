@@ -21,6 +21,7 @@ from pipeline.engine.batch_tuning import PROMPT_TOKENS, BatchChoice, candidates,
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
 from pipeline.engine.constraints import Constraints, constraint_key
 from pipeline.engine.kv_cache import KVCacheManager
+from pipeline.engine.prefill import Embed, PrefillState, Score
 from pipeline.engine.request import Request, Result, SamplingParams
 from pipeline.engine.runner import (
     PromptSpan,
@@ -44,7 +45,8 @@ from pipeline.model.lora.peft_file import AdapterError
 @dataclass
 class _StepRows:
     """One step's batch and what its logits rows are for: 1 + len(draft) rows per sampler, in order (plain
-    rows sample, speculating rows verify), then the prompt-logprob rows."""
+    rows sample, speculating rows verify), then the prompt-logprob and score rows, then the embedding rows
+    (whose final hidden states are wanted, not logits)."""
 
     batch: StepBatch
     plain: list[tuple[int, Sequence]]  # (logits row, sequence) of each sampler with no guesses
@@ -54,10 +56,12 @@ class _StepRows:
     constrained: list[int]  # indices into `plain`
     masks: Future | None  # the constrained rows' token masks, computed beside the forward pass
     greedy_only: bool  # every row plain greedy: the forward pass returns the argmaxes
+    hidden_spans: list[PromptSpan]  # the embedding rows
+    hidden: torch.Tensor | None = None  # their final hidden states, once the forward pass ran
 
     def prompt_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The prompt-logprob rows (after the samplers')."""
-        return logits[len(self.batch.logits_rows) - sum(len(span) for _, span in self.prompt_spans):]
+        """The prompt-logprob and score rows (after the samplers'; `logits` has none for the embedding rows)."""
+        return logits[logits.shape[0] - sum(len(span) for _, span in self.prompt_spans):]
 
     def plain_logits(self, logits: torch.Tensor, fork_rows: list[int]) -> torch.Tensor:
         """One row per plain sampler, `fork_rows` giving each one's index in `plain` (forked samples share
@@ -246,6 +250,7 @@ class Engine:
         self._advance(work, rows.batch)
         if rows.prompt_spans:
             self._prompt_logprobs(rows.prompt_logits(out), rows.prompt_spans)
+        self._pool(rows)
         fork_rows, samplers = self._fork_children([seq for _, seq in rows.plain])
         t3 = self._clock.stamp()
         outcomes = self._sample(rows, out, fork_rows, samplers)
@@ -253,6 +258,10 @@ class Engine:
         finished = []
         for seq, outcome in zip(samplers + rows.checking, outcomes):
             if self._emit(seq, outcome):
+                self._finish(seq)
+                finished.append(self._result(seq))
+        for seq, _ in work:  # prefill-only requests end with their last position
+            if seq.prefill is not None and seq.num_computed == seq.num_tokens:
                 self._finish(seq)
                 finished.append(self._result(seq))
         self._book(len(work), rows.batch.num_tokens, (t0, t1, t2, t3, t4))
@@ -274,8 +283,10 @@ class Engine:
     def _lay_out(self, work: list[tuple[Sequence, int]]) -> _StepRows:
         """The step's batch and what each logits row is for; the constrained rows' masks start computing
         here, beside the forward pass."""
-        batch, samplers, prompt_spans = build_batch(work, self.config.block_size, self.kv.pending_copies)
+        batch, samplers, spans = build_batch(work, self.config.block_size, self.kv.pending_copies)
         self.kv.pending_copies = []
+        hidden_spans = [(seq, span) for seq, span in spans if seq.prefill is not None and seq.prefill.wants_hidden]
+        prompt_spans = spans[: len(spans) - len(hidden_spans)]  # build_batch puts the embeddings' last
         # constrained rows never speculate (see _propose): they are all plain rows
         plain: list[tuple[int, Sequence]] = []
         checking: list[Sequence] = []
@@ -292,19 +303,39 @@ class Engine:
         masks = self._constraints.start_masks([plain[i][1].matcher for i in constrained]) if constrained else None
         # Every row plain greedy (the usual dataset job): the runner returns the argmaxes, and the int8 head
         # never writes the [rows, vocab] logits (`QuantLMHead.greedy`).
-        greedy_only = not checking and not prompt_spans and all(
+        greedy_only = not checking and not prompt_spans and not hidden_spans and all(
             seq.sampling.plain_greedy and not seq.num_children for _, seq in plain)
-        return _StepRows(batch, plain, checking, check_rows, prompt_spans, constrained, masks, greedy_only)
+        return _StepRows(batch, plain, checking, check_rows, prompt_spans, constrained, masks, greedy_only,
+                         hidden_spans)
 
     def _run_model(self, rows: _StepRows) -> tuple[torch.Tensor, Stamp, Stamp]:
         """The forward pass (the argmaxes when `rows.greedy_only`, else the logits), between the two stamps
         that time it."""
         t1 = self._clock.stamp()
         attention_before = self.runner.attn.attention_seconds
-        out = self.runner.execute_greedy(rows.batch) if rows.greedy_only else self.runner.execute(rows.batch)
+        if rows.hidden_spans:
+            out = self._hidden_step(rows)
+        else:
+            out = self.runner.execute_greedy(rows.batch) if rows.greedy_only else self.runner.execute(rows.batch)
         t2 = self._clock.stamp()
         self.stats.attention_time += self.runner.attn.attention_seconds - attention_before
         return out, t1, t2
+
+    def _hidden_step(self, rows: _StepRows) -> torch.Tensor:
+        """The forward pass of a step with embedding rows: their final hidden states go to `rows.hidden`;
+        returns the head's logits of the other wanted rows (samplers', prompt logprobs', scores')."""
+        hidden = self.runner.execute_hidden(rows.batch)
+        logit_rows = hidden.shape[0] - sum(len(span) for _, span in rows.hidden_spans)
+        rows.hidden = hidden[logit_rows:]
+        return self.model.compute_logits(hidden[:logit_rows]) if logit_rows else hidden[:0]
+
+    @staticmethod
+    def _pool(rows: _StepRows) -> None:
+        """Record the embedding rows' final hidden states in their sequences."""
+        row = 0
+        for seq, span in rows.hidden_spans:
+            seq.prefill.record_hidden(rows.hidden[row : row + len(span)], span)
+            row += len(span)
 
     def _advance(self, work: list[tuple[Sequence, int]], batch: StepBatch) -> None:
         """Count the positions the forward pass computed and commit their KV blocks."""
@@ -320,6 +351,8 @@ class Engine:
                 samplers: list[Sequence]) -> list[Sampled]:
         """Each sampler's tokens: one per plain sampler (forked samples draw from their parent's row), then
         the speculating rows' accepted guesses and next token."""
+        if not samplers and not rows.checking:  # prefill chunks only
+            return []
         # copies the sampled ids to the host: the step's one sync (verify's are extra, in speculating steps)
         if rows.greedy_only:
             sampled = Sampled(out.tolist(), [None] * len(samplers))
@@ -354,10 +387,15 @@ class Engine:
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
-        """Record each span's prompt logprobs (once: a preempted sequence recomputes its positions)."""
+        """Record each span's prompt logprobs, or a score's (once: a preempted sequence recomputes its
+        positions)."""
         lp = torch.log_softmax(logits, dim=-1)
         row = 0
         for seq, span in spans:
+            if seq.prefill is not None:
+                seq.prefill.record_logprobs(lp[row : row + len(span)], span, seq.token_ids)
+                row += len(span)
+                continue
             k = seq.sampling.prompt_logprobs
             top_v, top_i = lp[row : row + len(span)].topk(k, dim=-1)
             for j, p in enumerate(span):
@@ -390,10 +428,13 @@ class Engine:
                 sampling = SamplingParams(**sampling)
             elif not isinstance(sampling, SamplingParams):
                 raise ValueError(f"sampling must be SamplingParams or a mapping, got {type(sampling).__name__}")
-            problem = self._prompt_problem(getattr(request, "prompt_token_ids", None))
+            prefill = getattr(request, "prefill", None)
+            problem = self._prompt_problem(getattr(request, "prompt_token_ids", None), prefill is not None)
             problem = problem or sampling.token_id_problem(self.model_config.vocab_size)
+            if prefill is not None:
+                problem = problem or self._prefill_problem(prefill, len(request.prompt_token_ids), sampling)
             matcher = None
-            if sampling.constrained and not problem:
+            if sampling.constrained and not problem and prefill is None:  # a prefill request samples nothing
                 try:
                     matcher = self._matcher(sampling)
                 except ValueError as e:  # a bad schema or regex: this request's samples are error results
@@ -416,6 +457,8 @@ class Engine:
         seq = self._sequence(rid, 0, prompt, sampling, seed)
         seq.matcher = matcher
         seq.num_children = sampling.n - 1
+        if prefill is not None:
+            seq.prefill = PrefillState(prefill, sampling.logprobs if isinstance(prefill, Score) else 0)
         if adapter is not None:
             seq.adapter = adapter
             use = self.stats.adapters.setdefault(adapter, {"rows": 0, "prompt_tokens": 0, "generated_tokens": 0})
@@ -435,13 +478,30 @@ class Engine:
             return str(e)
         return None
 
-    def _prompt_problem(self, prompt: Any) -> str | None:
+    def _prefill_problem(self, prefill: Any, prompt_len: int, sampling: SamplingParams) -> str | None:
+        """Why a prefill-only request (`Request.prefill`) cannot run here (None: it can)."""
+        if not isinstance(prefill, Score | Embed):
+            return f"prefill must be Score, Embed or None, got {type(prefill).__name__}"
+        if sampling.n != 1:
+            return f"n={sampling.n}: a score or embedding request has one result"
+        if isinstance(prefill, Score) and prefill.start >= prompt_len:
+            return f"Score.start={prefill.start} leaves no token to score in a prompt of {prompt_len} tokens"
+        if isinstance(prefill, Embed) and not hasattr(self.runner, "execute_hidden"):
+            return "an embedding needs the final hidden states, which this runner does not return " \
+                   "(tensor parallelism)"
+        return None
+
+    def _prompt_problem(self, prompt: Any, prefill_only: bool = False) -> str | None:
+        """Why a prompt cannot run (None: it can); a prefill-only one may fill max_model_len."""
         if not isinstance(prompt, list | tuple) or not prompt:
             return "prompt_token_ids must be a non-empty list of token ids"
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             return f"prompt has token ids outside 0..{vocab - 1}: {bad[:5]}"
+        if prefill_only:
+            return None if len(prompt) <= self.max_model_len else \
+                f"prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len}"
         if len(prompt) >= self.max_model_len:
             return (
                 f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
@@ -513,7 +573,7 @@ class Engine:
         for seq in running:
             if len(seqs) == allowed:
                 break
-            if seq.num_uncomputed != 1 or seq.num_children or _adjusts_logits(seq):
+            if seq.num_uncomputed != 1 or seq.num_children or seq.prefill is not None or _adjusts_logits(seq):
                 continue
             seq.spec_k = seq.spec_k or spec.k
             room = min(seq.sampling.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
@@ -598,6 +658,8 @@ class Engine:
         return token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
 
     def _result(self, seq: Sequence) -> Result:
+        if seq.prefill is not None:
+            return self._prefill_result(seq)
         output = seq.output_ids
         if seq.decoder is not None:
             text = seq.text
@@ -612,6 +674,20 @@ class Engine:
             completion_tokens=len(output), finish_reason=seq.finish_reason, error=self._constraint_error(seq),
             logprobs=seq.logprobs, logprob_tokens=self._token_strings(seq.logprobs),
             prompt_logprobs=seq.prompt_logprobs,
+        )
+
+    def _prefill_result(self, seq: Sequence) -> Result:
+        """A finished prefill-only request: its scored tokens' log-probabilities (and their top-k, with
+        `logprobs`), or its embedding."""
+        state = seq.prefill
+        self.stats.cached_tokens += max(0, seq.num_cached)
+        score = isinstance(state.task, Score)
+        top = state.top if state.top_k else None
+        return Result(
+            id=seq.request_id, sample_index=0, token_ids=[], text="", prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=max(0, seq.num_cached), completion_tokens=0, finish_reason="stop",
+            logprobs=top, logprob_tokens=self._token_strings(top), token_logprobs=state.logprobs if score else None,
+            embedding=None if score else state.embedding(),
         )
 
     def _constraint_error(self, seq: Sequence) -> str | None:

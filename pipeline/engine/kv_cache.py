@@ -83,18 +83,17 @@ class KVCacheManager:
         return self._roots[seq.adapter]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks equal to the leading full blocks of seq, stopping >= 1 token short of its end
-        (the last position must be computed to get logits). None for a request that wants prompt logprobs:
-        every prompt position's logits are needed."""
+        """Cached blocks equal to the leading full blocks of seq that end at or before the first position
+        whose output it needs (`Sequence.first_needed`: at least its last position is computed, for its
+        logits). None for a request that wants prompt logprobs: every prompt position's logits are needed."""
         if not self.prefix_caching:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq, self.block_size, limit * self.block_size)
-        if seq.sampling.prompt_logprobs:  # hashes still wanted: its blocks get cached for others
-            return []
+        usable = min(limit, seq.first_needed // self.block_size)  # hashes past it are still wanted (admission)
         matched: list[int] = []
         parent_serial = self._root(seq)
-        for i in range(limit):
+        for i in range(usable):
             block = self.cached.get(hashes[i])
             if block is None or self.parent_serial_of[block] != parent_serial:
                 break
@@ -107,11 +106,12 @@ class KVCacheManager:
     def match_partial(self, seq: Sequence, matched: list[int]) -> tuple[int, int] | None:
         """(block, r): a registered block continuing the matched chain whose first r >= 1 tokens equal
         seq's next tokens (the longest such), so those r positions can be copied instead of computed.
-        Token-level reuse past the last shared full block: rows sharing a prefix that ends mid-block."""
-        if not self.prefix_caching or seq.sampling.prompt_logprobs:
+        Token-level reuse past the last shared full block: rows sharing a prefix that ends mid-block. It
+        stops before the first position whose output seq needs (`Sequence.first_needed`)."""
+        if not self.prefix_caching:
             return None
         start = len(matched) * self.block_size
-        want = seq.token_ids[start : start + min(self.block_size, seq.num_tokens - 1 - start)]
+        want = seq.token_ids[start : start + min(self.block_size, seq.first_needed - start)]
         parent = self.serial_of[matched[-1]] if matched else self._root(seq)
         best = None
         for block in self.children.get(parent, ()):

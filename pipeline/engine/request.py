@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.engine.prefill import Prefill
+
 
 def _json_object(text: Any) -> bool:
     try:
@@ -140,6 +142,8 @@ class Request:
     id: Any
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # None: generate. `Score` / `Embed` (pipeline/engine/prefill.py): run the prompt only, sample nothing
+    prefill: Prefill | None = None
     adapter: str | None = None  # a LoRA adapter's name or folder (pipeline.engine.adapters); None: the base model
 
 
@@ -160,3 +164,5 @@ class Result:
     logprob_tokens: list[dict[int, str]] | None = None  # the same token ids as text
     # per prompt token (None for the first): the top-k prompt_logprobs and the actual token's log-probability
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    token_logprobs: list[float] | None = None  # a `Score` request: of each scored token, given those before it
+    embedding: list[float] | None = None  # an `Embed` request: the pooled final hidden state

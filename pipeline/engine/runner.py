@@ -32,6 +32,7 @@ import torch
 
 from kernels.cpu_attention import NativeKernelUnavailable, PagedDecodeKernel, load_paged_decode
 from pipeline.engine.host_memory import keep_step_buffers
+from pipeline.engine.prefill import output_positions, wants_hidden
 from pipeline.engine.sequence import Sequence
 from pipeline.model.attention import causal_attention
 from pipeline.model.llama import LlamaModel
@@ -66,7 +67,8 @@ class StepBatch:
         return StepBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
-# A sequence and the prompt positions of this step whose logits give its prompt logprobs.
+# A sequence and the positions of this step whose outputs it records: logits for prompt logprobs and scores,
+# final hidden states for embeddings (`pipeline.engine.prefill`).
 PromptSpan = tuple[Sequence, range]
 
 
@@ -75,7 +77,9 @@ def build_batch(
 ) -> tuple[StepBatch, list[Sequence], list[PromptSpan]]:
     """Lay out the scheduled (sequence, num_tokens) pairs; returns the batch, the sequences that sample
     this step (the first rows of `logits_rows`, in order) and the prompt positions whose logits follow them
-    (requests with prompt_logprobs: position p's logits score prompt token p + 1).
+    (requests with prompt_logprobs, and scores: position p's logits score prompt token p + 1), then those
+    of embeddings, whose rows come last (their final hidden states are wanted, not logits). Prefill-only
+    requests (`Sequence.prefill`) never sample.
 
     A speculating sequence's tokens continue into its guesses (`seq.draft`): it is a short prefill chunk
     whose last 1 + len(draft) rows all give logits (one per guess to check, plus the next token)."""
@@ -91,9 +95,17 @@ def build_batch(
     samplers: list[Sequence] = []
     spans: list[PromptSpan] = []
     prompt_rows: list[int] = []
+    hidden_spans: list[PromptSpan] = []
+    hidden_rows: list[int] = []
     for seq, n in work:
         lo = seq.num_computed
-        if seq.sampling.prompt_logprobs and lo < seq.num_prompt_tokens - 1:
+        if seq.prefill is not None:
+            span = output_positions(seq.prefill.task, lo, n, seq.num_tokens)
+            if span:
+                hidden = wants_hidden(seq.prefill.task)
+                (hidden_spans if hidden else spans).append((seq, span))
+                (hidden_rows if hidden else prompt_rows).extend(starts[-1] + p - lo for p in span)
+        elif seq.sampling.prompt_logprobs and lo < seq.num_prompt_tokens - 1:
             span = range(lo, min(lo + n, seq.num_prompt_tokens - 1))
             spans.append((seq, span))
             prompt_rows.extend(starts[-1] + p - lo for p in span)
@@ -103,7 +115,7 @@ def build_batch(
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(lo, lo + n))
         starts.append(starts[-1] + n)
         lens.append(lo + n)
-        if lo + n == seq.num_tokens + len(seq.draft):
+        if seq.prefill is None and lo + n == seq.num_tokens + len(seq.draft):
             rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
             samplers.append(seq)
     width = max(len(seq.block_table) for seq, _ in work)
@@ -120,11 +132,11 @@ def build_batch(
         context_lens=torch.tensor(lens, dtype=torch.long),
         block_tables=tables,
         num_decodes=sum(1 for _, n in work if n == 1),
-        logits_rows=torch.tensor(rows + prompt_rows, dtype=torch.long),
+        logits_rows=torch.tensor(rows + prompt_rows + hidden_rows, dtype=torch.long),
         block_copies=torch.tensor(list(block_copies), dtype=torch.long).reshape(-1, 2),
         lora_slots=torch.tensor(lora_slots, dtype=torch.long),
     )
-    return batch, samplers, spans
+    return batch, samplers, spans + hidden_spans
 
 
 def copy_blocks(pools: tuple[torch.Tensor, ...], copies: list[tuple[int, int]]) -> None:
@@ -435,6 +447,13 @@ class Runner:
         model's head can (`LlamaModel.greedy_tokens`)."""
         return self.model.greedy_tokens(self._sampling_hidden(batch))
 
+    @torch.inference_mode()
+    def execute_hidden(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; the final hidden states (after the model's final norm) [len(batch.logits_rows),
+        hidden] of the wanted rows, for steps with embedding rows (the engine applies the head to the rows
+        that want logits)."""
+        return self._sampling_hidden(batch)
+
 
     def load_adapter(self, slot: int, path: str, slots: int) -> None:
         """Place the LoRA adapter at `path` (a local folder, checked by the caller) in `slot` of the model's
@@ -453,7 +472,8 @@ class Runner:
 
 class StepRunner(Protocol):
     """What the engine needs of a runner: one step in, logits out (or, for steps where every row is plain
-    greedy, just each row's argmax), and the attention state it reports on."""
+    greedy, just each row's argmax), and the attention state it reports on. A runner that can also return
+    final hidden states (`execute_hidden`: `Runner`, `GpuRunner`) serves embedding requests."""
 
     attn: PagedAttention
 

@@ -132,7 +132,7 @@ class Scheduler:
         return pending
 
     def _next_block_pending(self, seq: Sequence, num_matched: int, pending: set[int]) -> bool:
-        limit = (seq.num_tokens - 1) // self.kv.block_size
+        limit = seq.first_needed // self.kv.block_size  # blocks past it are computed anyway
         return num_matched < limit and seq.block_hashes[num_matched] in pending
 
     def _preempt(self, seq: Sequence) -> None:

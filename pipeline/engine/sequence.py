@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pipeline.engine.prefill import PrefillState, first_needed
 from pipeline.engine.request import SamplingParams
 
 # Seeds of the n samples of one request are spread by a large odd constant so sample i's stream does not
@@ -71,6 +72,7 @@ class Sequence:
     finish_reason: str | None = None
     num_children: int = 0  # samples of the same request still to fork from this one after its prefill
     matcher: Any = None  # the constraint's grammar state (llguidance.LLMatcher) when the request has one
+    prefill: PrefillState | None = None  # a request that samples nothing (scoring, embedding)
     # Speculative decoding: tokens guessed to follow token_ids, checked by this step's forward (not part of
     # token_ids until accepted), and how many this sequence may guess (adapted with speculative.adaptive_k).
     draft: list[int] = field(default_factory=list)
@@ -95,3 +97,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def first_needed(self) -> int:
+        """The first position whose output (logits or hidden state) this sequence needs: the prefix cache may
+        serve only the positions before it. The last one's logits to sample; with prompt logprobs, every
+        prompt position's; a prefill-only request's own (`pipeline.engine.prefill.first_needed`)."""
+        if self.prefill is not None:
+            return first_needed(self.prefill.task, self.num_tokens)
+        return 0 if self.sampling.prompt_logprobs else self.num_tokens - 1
