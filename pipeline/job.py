@@ -31,9 +31,8 @@ from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
 from pipeline.preflight import check_filesystems, check_model_values, check_room
-from pipeline.source.columns import column_specs, id_type, read_columns
-from pipeline.source.files import ParquetSource
-from pipeline.source.prompts import PromptBuilder
+from pipeline.source.columns import column_specs, read_columns
+from pipeline.source.formats import Builder, Source, open_source, prompt_builder
 
 if TYPE_CHECKING:
     from pipeline.engine.batch_tuning import BatchChoice
@@ -234,8 +233,8 @@ def _error_row(base: dict[str, Any], index: int, error: str, prompt_tokens: int)
 class _Run:
     """The state of one run while rows stream through the engine."""
 
-    def __init__(self, cfg: JobConfig, source: ParquetSource, state: RunState, writer: UnitWriter,
-                 builder: PromptBuilder, id_column: str | None) -> None:
+    def __init__(self, cfg: JobConfig, source: Source, state: RunState, writer: UnitWriter,
+                 builder: Builder, id_column: str | None) -> None:
         self.cfg = cfg
         self.source = source
         self.state = state
@@ -260,7 +259,7 @@ class _Run:
                 self.writer.digests, self.writer.rows, self.planner, lambda: state.stop.stopping):
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
-            base = {"id": row_id, **{c: row.get(c) for c in inp.passthrough_columns}}
+            base = {"id": row_id, **{c: row.get(c) for c in (*inp.passthrough_columns, *self.source.carried)}}
             error = prepared.error or ("id is null" if row_id is None else None)
             if error:
                 self._reject(base, unit, position, error, prepared.prompt_tokens)
@@ -309,9 +308,9 @@ def _peak_rss_bytes() -> int:
 class _Input:
     """The checked input and model file."""
 
-    source: ParquetSource
+    source: Source
     types: dict[str, pa.DataType]  # each input column's type
-    ids: pa.DataType | None  # the id column's; None: ids are `<file>:<row>`
+    ids: tuple[str, pa.DataType] | None  # the rows' id key and the id's type; None: ids are `<file>:<row>`
     schema: pa.Schema  # the output's
     model_path: str
     model_name: str
@@ -398,11 +397,10 @@ def _run_rows(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, recorder
     """Stream the rows still to do through the engine into the output's units, with progress; Interrupted
     when a stop request ended admission before every unit was committed."""
     engine, run_state, stop = model.engine, out.run_state, out.stop
-    builder = PromptBuilder(model.loaded.tokenizer, cfg.input, cfg.sampling, engine.max_model_len,
-                            cfg.engine.seed)
+    builder = prompt_builder(cfg, model.loaded.tokenizer, engine.max_model_len)
     writer = UnitWriter(run_state, out.sink, cfg.sampling.n)
     progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
-    state = _Run(cfg, inp.source, run_state, writer, builder, cfg.input.id_column if inp.ids else None)
+    state = _Run(cfg, inp.source, run_state, writer, builder, inp.ids[0] if inp.ids else None)
     stats = engine.stats
 
     def observe() -> None:  # after every step: the first line and sample come before the first row finishes
@@ -519,12 +517,12 @@ def _check_input(cfg: JobConfig) -> _Input:
     """Everything that can be checked before the output is touched and the weights load: the filesystems,
     the input's files and columns, the model file, and the rows' values the model must accept."""
     check_filesystems(cfg)
-    source = ParquetSource(cfg.input.path)
+    source = open_source(cfg)
     types = source.check_columns(column_specs(cfg))
-    ids = id_type(source, cfg.input.id_column, types)
+    ids = source.id_field(cfg.input.id_column, types)
     log.info("input: %d rows in %d files", source.total_rows, len(source.files))
     passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
-    schema = result_schema(ids or pa.string(), passthrough, cfg.output.token_ids,
+    schema = result_schema(ids[1] if ids else pa.string(), passthrough, cfg.output.token_ids,
                            cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
                            cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
     model_path, model_name = _model_path(cfg)
