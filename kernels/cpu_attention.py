@@ -6,7 +6,7 @@ The C source is compiled once per (head_dim, query group, block size, compiler, 
 default `~/.cache/pipeline/kernels`) and called through ctypes.
 
 Where it cannot run (no compiler, a CPU without AVX2, a shape the kernel does not take, or
-`PIPELINE_NATIVE_ATTENTION=off`), `load_paged_decode` says why and callers keep torch's path.
+`PIPELINE_NATIVE` leaving out `attention`), `load_paged_decode` says why and callers keep torch's path.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
 
 def machine_reason() -> str | None:
     """Why no native kernel runs on this machine, whatever the shape (None: it builds where shapes allow)."""
-    return native_build.machine_reason("PIPELINE_NATIVE_ATTENTION", "avx2", "AVX2")
+    return native_build.machine_reason("attention", "avx2", "AVX2")
 
 
 def load_paged_decode(head_dim: int, group: int, block_size: int,

@@ -5,7 +5,7 @@ layout by tests/kernels/test_native_interface.py. A model fills one `Layer` per 
 (`pipeline.model.native_decode`), and each step one `Step`: the rows' RoPE tables, slots and block tables,
 the kernels' entry points and scratch buffers.
 
-Where it cannot run (no AVX-512 VNNI, no C compiler, `PIPELINE_NATIVE_DECODE=off`), `unavailable_reason`
+Where it cannot run (no AVX-512 VNNI, no C compiler, `PIPELINE_NATIVE` leaving out `decode`), `unavailable_reason`
 says why and the model keeps its compiled graphs.
 """
 
@@ -83,7 +83,7 @@ def split_rows(step: Step, threads: int) -> list[int]:
 @cache
 def _library_or_reason() -> ctypes.CDLL | str:
     """Built and loaded once per process; a failure is remembered too."""
-    library = loaded_library(SOURCE, "PIPELINE_NATIVE_DECODE", "avx512_vnni", "AVX-512 VNNI", "decode_layers_available")
+    library = loaded_library(SOURCE, "decode", "avx512_vnni", "AVX-512 VNNI", "decode_layers_available")
     if isinstance(library, str):
         return library
     library.decode_layers.argtypes = [ctypes.POINTER(Layer), _size, ctypes.POINTER(Step), _pointer,

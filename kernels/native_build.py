@@ -9,6 +9,11 @@ libraries use the OpenMP runtime torch has already loaded, so they share torch's
 `$PIPELINE_KERNEL_FLAGS` adds compiler flags after those (and to the cache key): `-mno-avx512f` builds the
 AVX2 paths on an AVX-512 CPU, as the tests do (tests/kernels/conftest.py), where the kernels that need
 AVX-512 then report themselves unavailable.
+
+`$PIPELINE_NATIVE` is the one switch for debugging them: unset (or `on`) every native kernel runs where it
+can; `off` none; a comma-separated list (`gemm,attention`) keeps only those named of NATIVE_PARTS. The
+torch paths they replace give the same results (the GEMM bit for bit, attention and the decoder layers to
+float32 rounding), so the switch moves speed, and at most the last float32 bits.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 EXTRA_FLAGS = "PIPELINE_KERNEL_FLAGS"
+SWITCH = "PIPELINE_NATIVE"
+# the native kernels $PIPELINE_NATIVE names: the VNNI int8 GEMM, the W8A8 decoder layers, the paged attention
+NATIVE_PARTS = ("gemm", "decode", "attention")
 
 
 def build_flags() -> tuple[str, ...]:
@@ -47,11 +55,28 @@ def cpu_identity() -> str:
     return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(("model name", "flags"))))
 
 
-def machine_reason(switch: str, flag: str, feature: str) -> str | None:
-    """Why a kernel cannot be built on this machine, whatever its shape: its switch (an environment variable)
-    set off, the CPU lacking `flag` (as /proc/cpuinfo names it; `feature` in words), or no C compiler."""
-    if os.environ.get(switch, "").lower() in ("0", "off", "false", "no"):
-        return f"{switch} is off"
+def native_parts() -> tuple[str, ...]:
+    """The native kernels $PIPELINE_NATIVE keeps (NATIVE_PARTS order): all where it is unset, `on` or `all`;
+    none for `off`; else those it lists. ValueError naming any other word."""
+    value = os.environ.get(SWITCH, "").strip().lower()
+    if value in ("", "on", "all"):
+        return NATIVE_PARTS
+    if value in ("off", "none"):
+        return ()
+    named = {word.strip() for word in value.split(",")} - {""}
+    unknown = sorted(named - set(NATIVE_PARTS))
+    if unknown:
+        raise ValueError(f"{SWITCH}={value}: {unknown[0]!r} is not a native kernel (name some of "
+                         f"{','.join(NATIVE_PARTS)}, or on / off)")
+    return tuple(part for part in NATIVE_PARTS if part in named)
+
+
+def machine_reason(part: str, flag: str, feature: str) -> str | None:
+    """Why the native kernel `part` (of NATIVE_PARTS) cannot be built on this machine, whatever its shape:
+    $PIPELINE_NATIVE leaving it out, the CPU lacking `flag` (as /proc/cpuinfo names it; `feature` in words),
+    or no C compiler."""
+    if part not in native_parts():
+        return f"{SWITCH}={os.environ[SWITCH]} leaves out the native {part}"
     if flag not in cpu_identity().split():
         return f"this CPU has no {feature}"
     if c_compiler() is None:
@@ -59,11 +84,11 @@ def machine_reason(switch: str, flag: str, feature: str) -> str | None:
     return None
 
 
-def loaded_library(source: Path, switch: str, flag: str, feature: str, available: str) -> ctypes.CDLL | str:
-    """The library of `source` built for this machine and loaded, or why not: the machine
-    (`machine_reason`), the build, or the library's own `available()` entry returning 0 (the compiler left
-    out the code for `feature`)."""
-    why_not = machine_reason(switch, flag, feature)
+def loaded_library(source: Path, part: str, flag: str, feature: str, available: str) -> ctypes.CDLL | str:
+    """The library of `source` (the native kernel `part`) built for this machine and loaded, or why not: the
+    machine (`machine_reason`), the build, or the library's own `available()` entry returning 0 (the
+    compiler left out the code for `feature`)."""
+    why_not = machine_reason(part, flag, feature)
     if why_not:
         return why_not
     compiler = c_compiler()

@@ -13,7 +13,7 @@ entry (`int8_gemm_silu`, called from the native decode layers) gives a gate_up w
 without storing the products.
 
 Built by `kernels.native_build`; where it cannot run (no AVX-512 VNNI, no C compiler,
-`PIPELINE_NATIVE_GEMM=off`), `unavailable_reason` says why.
+`PIPELINE_NATIVE` leaving out `gemm`), `unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def library() -> ctypes.CDLL:
 @cache
 def _library_or_reason() -> ctypes.CDLL | str:
     """Built and loaded once per process; a failure is remembered too."""
-    library = loaded_library(SOURCE, "PIPELINE_NATIVE_GEMM", "avx512_vnni", "AVX-512 VNNI", "int8_gemm_available")
+    library = loaded_library(SOURCE, "gemm", "avx512_vnni", "AVX-512 VNNI", "int8_gemm_available")
     if isinstance(library, str):
         return library
     pointer, size = ctypes.c_void_p, ctypes.c_int64

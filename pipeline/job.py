@@ -646,4 +646,4 @@ def _log_loaded(model: _Model, seconds: float) -> None:
     if cache is not None:
         log.info("startup cache %s: %d entries read, %d built", cache.root, cache.read, cache.built)
     if loaded.model.native_layers is not None:
-        log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE_DECODE=off: torch ops)")
+        log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE without decode: torch ops)")

@@ -178,7 +178,7 @@ def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(tiny, monke
     these small groups use it. Without it, the native kernel runs where it builds."""
     groups_found = []
     if group_pass:
-        monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
+        monkeypatch.setenv("PIPELINE_NATIVE", "off")
         monkeypatch.setattr(runner, "MIN_SAVED_BLOCKS", 1)
         find = runner.shared_prefixes
 

@@ -50,7 +50,7 @@ def test_narrow_cache_equals_float32_cache_of_what_it_stores(monkeypatch, kv_dty
     All the arithmetic stays float32, so only rounding order separates the two; the plain float32 cache
     differs."""
     if native == "off":
-        monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
+        monkeypatch.setenv("PIPELINE_NATIVE", "off")
     prompts = random_prompts(6, 20, 60, seed=4)
     steps = prefill_then_decode(prompts, blocks_each=4)
     logits, block_bytes = {}, {}
@@ -83,11 +83,11 @@ def test_narrow_cache_equals_float32_cache_of_what_it_stores(monkeypatch, kv_dty
 
 
 def test_int8_cache_without_the_native_kernel_is_refused(monkeypatch):
-    monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
+    monkeypatch.setenv("PIPELINE_NATIVE", "gemm,decode")
     tiny = build_tiny(seed=2)
     tiny.model.kv_dtype = torch.int8
     with pytest.raises(ValueError, match="model.kv_cache_dtype=int8 needs the native CPU attention kernel.*"
-                                         "PIPELINE_NATIVE_ATTENTION is off"):
+                                         "PIPELINE_NATIVE=gemm,decode leaves out the native attention"):
         Runner(tiny.model, 8, BLOCK, torch.device("cpu"))
 
 
@@ -101,7 +101,7 @@ def test_auto_narrows_only_for_model_quant_auto_on_cpu(monkeypatch):
         assert resolve_kv_dtype("auto", named, "float32", "cpu") == "float32"
     assert resolve_kv_dtype("auto", "auto", "float32", "cuda:0") == "float32"  # the CUDA runner's cache
     assert resolve_kv_dtype("int8", "gguf", "float32", "cpu") == "int8"  # asked for
-    monkeypatch.setenv("PIPELINE_NATIVE_ATTENTION", "off")
+    monkeypatch.setenv("PIPELINE_NATIVE", "off")
     assert resolve_kv_dtype("auto", "auto", "float32", "cpu") == "bfloat16"
 
 

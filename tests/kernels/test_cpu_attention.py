@@ -292,7 +292,7 @@ def test_build_is_cached_on_disk(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("why,setup", [
-    ("PIPELINE_NATIVE_ATTENTION is off", lambda mp: mp.setenv("PIPELINE_NATIVE_ATTENTION", "off")),
+    ("PIPELINE_NATIVE=off leaves out the native attention", lambda mp: mp.setenv("PIPELINE_NATIVE", "off")),
     ("no C compiler", lambda mp: mp.setattr(native_build, "c_compiler", lambda: None)),
 ])
 def test_unavailable_falls_back_to_torch_and_says_why(monkeypatch, caplog, why, setup):

@@ -228,11 +228,11 @@ def test_the_native_gemm_names_what_it_cannot_multiply():
 
 
 def test_the_native_gemm_says_why_it_is_off(monkeypatch):
-    monkeypatch.setenv("PIPELINE_NATIVE_GEMM", "off")
+    monkeypatch.setenv("PIPELINE_NATIVE", "decode,attention")
     vnni_gemm._library_or_reason.cache_clear()
     try:
-        assert vnni_gemm.unavailable_reason() == "PIPELINE_NATIVE_GEMM is off"
-        with pytest.raises(RuntimeError, match="no native int8 GEMM: PIPELINE_NATIVE_GEMM is off"):
+        assert vnni_gemm.unavailable_reason() == "PIPELINE_NATIVE=decode,attention leaves out the native gemm"
+        with pytest.raises(RuntimeError, match="no native int8 GEMM: PIPELINE_NATIVE=decode,attention leaves out the native gemm"):
             pack_native_int8_weight(Owner(), torch.zeros(4, 8, dtype=torch.int8))
     finally:
         vnni_gemm._library_or_reason.cache_clear()

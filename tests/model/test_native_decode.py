@@ -270,8 +270,8 @@ def test_without_the_native_gemm_or_w8a8_the_model_keeps_its_torch_layers(tiny_m
 
 def test_the_switch_turns_the_native_layers_off(monkeypatch):
     cpu_decode_layers._library_or_reason.cache_clear()
-    monkeypatch.setenv("PIPELINE_NATIVE_DECODE", "off")
+    monkeypatch.setenv("PIPELINE_NATIVE", "gemm,attention")
     try:
-        assert cpu_decode_layers.unavailable_reason() == "PIPELINE_NATIVE_DECODE is off"
+        assert cpu_decode_layers.unavailable_reason() == "PIPELINE_NATIVE=gemm,attention leaves out the native decode"
     finally:
         cpu_decode_layers._library_or_reason.cache_clear()
