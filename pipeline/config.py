@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
+from pipeline.engine.prefill import Embed
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
@@ -33,6 +34,8 @@ SAMPLING_COLUMNS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f
 # Read by default when present; the others (stop, choice, regex, ...) only when named in
 # input.sampling_columns, so a dataset's own `choice` or `stop` column is not taken as an override unasked.
 DEFAULT_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
+# generate: completions; score: log-probabilities of given completions; embed: pooled final hidden states
+TASKS = ("generate", "score", "embed")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
@@ -44,7 +47,7 @@ OUTPUT_FORMATS = ("auto", *INPUT_FORMATS)  # auto: the input's format
 RESULT_COLUMNS = (
     "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_logprobs",
     "prompt_tokens", "cached_tokens", "completion_tokens",
-    "finish_reason", "error",
+    "finish_reason", "error", "scores", "best_candidate", "embedding",
 )
 
 
@@ -64,6 +67,7 @@ class InputConfig:
     passthrough_columns: list[str] = field(default_factory=list)
     sampling_columns: list[str] = field(default_factory=lambda: list(DEFAULT_SAMPLING_COLUMNS))
     truncate: str = "none"  # none: overlong prompt -> error row; left: keep the prompt's last tokens
+    candidates_column: str = "candidates"  # task=score: each row's candidate completions (string or list)
     batch_rows: int = 1024  # rows per Parquet record batch read (lines, for JSON Lines)
     # parquet | jsonl (one JSON object per line) | openai_batch (OpenAI Batch API request lines); JSON Lines
     # files may be gzip/zstd/bz2/xz compressed (docs/running.md, "Input and output formats")
@@ -170,6 +174,7 @@ def _mutable_mirror(cls: type, name: str) -> type:
 
 
 SamplingSection = _mutable_mirror(SamplingParams, "SamplingSection")
+EmbedSection = _mutable_mirror(Embed, "EmbedSection")
 
 
 @dataclass
@@ -182,6 +187,8 @@ class JobSchema:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    task: str = "generate"  # generate | score | embed
+    embed: EmbedSection = field(default_factory=EmbedSection)  # type: ignore[valid-type]
     hardware: Any = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # a conf/hardware/*.yaml profile, for the run report's roofline
 
@@ -205,6 +212,8 @@ class JobConfig:
     plan: PlanConfig
     resolved: dict  # the whole resolved config as plain data (recorded in _metrics.json)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    task: str = "generate"
+    embed: Embed = field(default_factory=Embed)
 
     @property
     def output_format(self) -> str:
@@ -227,6 +236,12 @@ class JobConfig:
         # The default formats are left out, so outputs written before the formats existed still resume.
         inp = {k: v for k, v in resolved["input"].items()
                if k not in ("path", "batch_rows") and (k, v) != ("format", "parquet")}
+        # The default task is left out too, and candidates_column outside task=score.
+        task = {} if self.task == "generate" else {"task": self.task}
+        if self.task == "embed":
+            task["embed"] = resolved["embed"]
+        if self.task != "score":
+            inp.pop("candidates_column", None)
         output = {"token_ids": resolved["output"]["token_ids"]}
         if self.output_format != "parquet":
             output["format"] = self.output_format
@@ -244,6 +259,7 @@ class JobConfig:
             identity["path"] = model["path"]
         return {
             **speculative,
+            **task,
             "model": {**model, **identity},
             "sampling": resolved["sampling"],
             "input": inp,
@@ -372,6 +388,25 @@ def _check_input(inp: InputConfig) -> None:
         )
 
 
+def _check_task(schema: JobSchema) -> None:
+    """`task`, and the keys that only task=generate can honour: score and embed write one row per input row,
+    computed in one pass over the prompt."""
+    task = schema.task
+    _choice("task", task, TASKS)
+    if task == "generate":
+        return
+    if schema.sampling.n != 1:
+        raise JobError(f"invalid config `sampling.n`: {schema.sampling.n}; task={task} writes one row per input row")
+    if schema.sampling.prompt_logprobs:
+        raise JobError("invalid config `sampling.prompt_logprobs`: it applies to task=generate"
+                       + ("; task=score writes its candidates' log-probabilities" if task == "score" else ""))
+    if task == "score" and not schema.input.candidates_column:
+        raise JobError("invalid config `input.candidates_column`: empty; task=score needs the candidates' column")
+    if task == "embed" and schema.engine.tensor_parallel > 1:
+        raise JobError(f"task=embed runs on one rank: engine.tensor_parallel={schema.engine.tensor_parallel} is not "
+                       "supported (the ranks' runners return logits, not the final hidden states)")
+
+
 # fsspec protocols whose files live only as long as the process that wrote them.
 EPHEMERAL_PROTOCOLS = ("memory",)
 
@@ -425,6 +460,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _positive("progress.log_every_s", schema.progress.log_every_s)
     _positive("output.report_interval_s", schema.output.report_interval_s)
     _positive("plan.window_rows", schema.plan.window_rows)
+    _check_task(schema)
     return JobConfig(
         input=schema.input,
         output=schema.output,
@@ -436,6 +472,8 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         plan=schema.plan,
         resolved=plain,
         speculative=_frozen(SpeculativeConfig, cfg.speculative, "speculative"),
+        task=schema.task,
+        embed=_frozen(Embed, cfg.embed, "embed"),
     )
 
 
