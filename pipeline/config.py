@@ -23,10 +23,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
-from pipeline.engine.prefill import Embed
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
+
+if typing.TYPE_CHECKING:
+    from pipeline.engine.adapters import LoraConfig
 
 # Sampling keys a row may override by a column of the same name: all but `n`, which fixes how many output
 # rows each input row has (`pipeline.verify` checks that count for the whole run).
@@ -34,8 +36,6 @@ SAMPLING_COLUMNS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f
 # Read by default when present; the others (stop, choice, regex, ...) only when named in
 # input.sampling_columns, so a dataset's own `choice` or `stop` column is not taken as an override unasked.
 DEFAULT_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
-# generate: completions; score: log-probabilities of given completions; embed: pooled final hidden states
-TASKS = ("generate", "score", "embed")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
@@ -47,7 +47,7 @@ OUTPUT_FORMATS = ("auto", *INPUT_FORMATS)  # auto: the input's format
 RESULT_COLUMNS = (
     "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_logprobs",
     "prompt_tokens", "cached_tokens", "completion_tokens",
-    "finish_reason", "error", "scores", "best_candidate", "embedding",
+    "finish_reason", "error",
 )
 
 
@@ -67,11 +67,13 @@ class InputConfig:
     passthrough_columns: list[str] = field(default_factory=list)
     sampling_columns: list[str] = field(default_factory=lambda: list(DEFAULT_SAMPLING_COLUMNS))
     truncate: str = "none"  # none: overlong prompt -> error row; left: keep the prompt's last tokens
-    candidates_column: str = "candidates"  # task=score: each row's candidate completions (string or list)
     batch_rows: int = 1024  # rows per Parquet record batch read (lines, for JSON Lines)
     # parquet | jsonl (one JSON object per line) | openai_batch (OpenAI Batch API request lines); JSON Lines
     # files may be gzip/zstd/bz2/xz compressed (docs/running.md, "Input and output formats")
     format: str = "parquet"
+    # a string column naming each row's LoRA adapter: a name in model.lora.adapters, or a PEFT folder or
+    # fsspec URL; null or empty: the base model (docs/running.md, "LoRA adapters")
+    lora_column: str | None = None
 
 
 @dataclass
@@ -108,6 +110,14 @@ class RuntimeConfig:
 
 
 @dataclass
+class LoraSection:
+    """LoRA adapters rows may run (`input.lora_column`), on top of the one base model."""
+
+    adapters: Any = None  # mapping of name -> PEFT checkpoint folder or fsspec URL
+    max_loaded: int = 8  # adapters resident at once (least recently used ones make room)
+
+
+@dataclass
 class ModelSection:
     """Which checkpoint to load: a GGUF file or a Hugging Face directory."""
 
@@ -130,6 +140,7 @@ class ModelSection:
     # keep what a quantized start derives from the model file on this CPU (pipeline/model/startup_cache.py)
     startup_cache: bool = True
     startup_cache_dir: str | None = None  # null: ~/.cache/llm-batch-pipeline/startup
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass
@@ -174,7 +185,6 @@ def _mutable_mirror(cls: type, name: str) -> type:
 
 
 SamplingSection = _mutable_mirror(SamplingParams, "SamplingSection")
-EmbedSection = _mutable_mirror(Embed, "EmbedSection")
 
 
 @dataclass
@@ -187,8 +197,6 @@ class JobSchema:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    task: str = "generate"  # generate | score | embed
-    embed: EmbedSection = field(default_factory=EmbedSection)  # type: ignore[valid-type]
     hardware: Any = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # a conf/hardware/*.yaml profile, for the run report's roofline
 
@@ -212,13 +220,21 @@ class JobConfig:
     plan: PlanConfig
     resolved: dict  # the whole resolved config as plain data (recorded in _metrics.json)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    task: str = "generate"
-    embed: Embed = field(default_factory=Embed)
 
     @property
     def output_format(self) -> str:
         """`output.format` with `auto` resolved (`resolve_output_format`)."""
         return resolve_output_format(self.input, self.output)
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The run's LoRA adapters as the engine takes them; None when the job uses none (neither
+        model.lora.adapters nor input.lora_column is set)."""
+        if not (self.model.lora.adapters or self.input.lora_column):
+            return None
+        from pipeline.engine.adapters import LoraConfig
+
+        return LoraConfig(dict(self.model.lora.adapters or {}), self.model.lora.max_loaded, self.model.cache_dir)
 
     @property
     def model_dtype(self) -> str:
@@ -235,13 +251,7 @@ class JobConfig:
         resolved = self.resolved
         # The default formats are left out, so outputs written before the formats existed still resume.
         inp = {k: v for k, v in resolved["input"].items()
-               if k not in ("path", "batch_rows") and (k, v) != ("format", "parquet")}
-        # The default task is left out too, and candidates_column outside task=score.
-        task = {} if self.task == "generate" else {"task": self.task}
-        if self.task == "embed":
-            task["embed"] = resolved["embed"]
-        if self.task != "score":
-            inp.pop("candidates_column", None)
+               if k not in ("path", "batch_rows") and (k, v) not in (("format", "parquet"), ("lora_column", None))}
         output = {"token_ids": resolved["output"]["token_ids"]}
         if self.output_format != "parquet":
             output["format"] = self.output_format
@@ -251,6 +261,9 @@ class JobConfig:
         speculative = {"speculative": spec} if spec.get("method", "none") != "none" else {}
         # where a copy lives, and the start-up cache (it stores what a start would compute): no matter
         model = {k: v for k, v in resolved["model"].items() if k not in ("cache_dir", "startup_cache", "startup_cache_dir")}
+        lora = model.pop("lora", None) or {}  # which adapters a name means, not how many stay resident
+        if lora.get("adapters"):
+            model["lora_adapters"] = lora["adapters"]
         # The dtype that runs, not `auto`: a run started on CPU (float32) and resumed on a GPU (bfloat16)
         # would otherwise mix rows of two precisions under one fingerprint.
         model["dtype"] = resolve_dtype(model["dtype"], resolved["engine"]["device"])
@@ -259,7 +272,6 @@ class JobConfig:
             identity["path"] = model["path"]
         return {
             **speculative,
-            **task,
             "model": {**model, **identity},
             "sampling": resolved["sampling"],
             "input": inp,
@@ -388,23 +400,16 @@ def _check_input(inp: InputConfig) -> None:
         )
 
 
-def _check_task(schema: JobSchema) -> None:
-    """`task`, and the keys that only task=generate can honour: score and embed write one row per input row,
-    computed in one pass over the prompt."""
-    task = schema.task
-    _choice("task", task, TASKS)
-    if task == "generate":
-        return
-    if schema.sampling.n != 1:
-        raise JobError(f"invalid config `sampling.n`: {schema.sampling.n}; task={task} writes one row per input row")
-    if schema.sampling.prompt_logprobs:
-        raise JobError("invalid config `sampling.prompt_logprobs`: it applies to task=generate"
-                       + ("; task=score writes its candidates' log-probabilities" if task == "score" else ""))
-    if task == "score" and not schema.input.candidates_column:
-        raise JobError("invalid config `input.candidates_column`: empty; task=score needs the candidates' column")
-    if task == "embed" and schema.engine.tensor_parallel > 1:
-        raise JobError(f"task=embed runs on one rank: engine.tensor_parallel={schema.engine.tensor_parallel} is not "
-                       "supported (the ranks' runners return logits, not the final hidden states)")
+def _check_lora(column: Any, lora: LoraSection) -> None:
+    if column is not None and (not isinstance(column, str) or not column):
+        raise JobError(f"invalid config `input.lora_column`: {column!r}; expected a column name or null")
+    adapters = lora.adapters
+    if adapters is not None and not (isinstance(adapters, dict) and all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in adapters.items())):
+        raise JobError(f"invalid config `model.lora.adapters`: {adapters!r}; expected a mapping of names to "
+                       "PEFT checkpoint folders or URLs")
+    if isinstance(lora.max_loaded, bool) or lora.max_loaded < 1:
+        raise JobError(f"invalid config `model.lora.max_loaded`: {lora.max_loaded!r}; expected an integer >= 1")
 
 
 # fsspec protocols whose files live only as long as the process that wrote them.
@@ -449,6 +454,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         value = getattr(schema.model, key)
         if value is not None and (not isinstance(value, str) or not value):
             raise JobError(f"invalid config `model.{key}`: {value!r}; expected a non-empty string or null")
+    _check_lora(schema.input.lora_column, schema.model.lora)
     _choice("model.dtype", schema.model.dtype, DTYPE_CHOICES)
     _choice("model.quant", schema.model.quant, (*QUANT_SCHEMES, "auto"))
     if schema.model.quant_w8a8_rows is not None:
@@ -460,7 +466,6 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _positive("progress.log_every_s", schema.progress.log_every_s)
     _positive("output.report_interval_s", schema.output.report_interval_s)
     _positive("plan.window_rows", schema.plan.window_rows)
-    _check_task(schema)
     return JobConfig(
         input=schema.input,
         output=schema.output,
@@ -472,8 +477,6 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         plan=schema.plan,
         resolved=plain,
         speculative=_frozen(SpeculativeConfig, cfg.speculative, "speculative"),
-        task=schema.task,
-        embed=_frozen(Embed, cfg.embed, "embed"),
     )
 
 

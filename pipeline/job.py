@@ -266,9 +266,9 @@ class _Run:
                 continue
             where = f"row {row_index} of {file.name}" + (f" (id {row_id!r})" if self.id_column else "")
             self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n, where)
-            self.bound.add(unit.window, prepared.token_ids)
+            self.bound.add(unit.window, prepared.token_ids, prepared.adapter)
             fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
-            yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id))
+            yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id), adapter=prepared.adapter)
             seq += 1
 
     def _reject(self, base: dict[str, Any], unit: Unit, position: int, error: str, prompt_tokens: int) -> None:
@@ -452,6 +452,9 @@ def _metrics(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, state: _R
         "steps": stats.steps,
         "preemptions": stats.preemptions,
         "evictions": stats.evictions,
+        "lora": None if model.engine.adapters is None else {
+            "adapters": stats.adapters, "loads": model.engine.adapters.loads,
+            "evictions": model.engine.adapters.evictions},
         "speculative": {"method": cfg.speculative.method, "proposed": stats.spec_proposed,
                         "accepted": stats.spec_accepted, "acceptance_rate": stats.spec_acceptance_rate,
                         "mean_accepted": stats.spec_mean_accepted, "forwards_saved": stats.spec_accepted,
@@ -609,7 +612,7 @@ def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], 
     _pin_vector_isa(cfg, loaded.model, cache)
     try:
         engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
-                        _draft_model(cfg, model_path, loaded))
+                        _draft_model(cfg, model_path, loaded), cfg.lora)
     except ValueError as e:
         raise JobError(str(e)) from None
     check_room(cfg, types, engine.max_model_len)  # the KV cache may hold fewer positions than the model has

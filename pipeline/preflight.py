@@ -62,6 +62,7 @@ def check_model_values(cfg: JobConfig, model_path: str, columns: Mapping[str, An
     check_room(cfg, columns, max_len)
     _check_sampling(cfg, shape, tokenizer)
     _check_template(cfg, tokenizer)
+    _check_adapters(cfg, shape)
     draft = cfg.speculative.draft.path
     if cfg.speculative.method == "draft" and draft is not None and not Path(draft).exists():
         raise JobError(f"draft model file not found: speculative.draft.path={draft!r}")
@@ -69,9 +70,8 @@ def check_model_values(cfg: JobConfig, model_path: str, columns: Mapping[str, An
 
 def check_room(cfg: JobConfig, columns: Mapping[str, Any], max_model_len: int) -> None:
     """`sampling.max_tokens` leaves room for a prompt in `max_model_len`: before the load against the model's
-    positions, after it against the engine's length (which the KV cache may shorten). Only generation keeps
-    room for tokens after the prompt."""
-    if cfg.task == "generate" and cfg.sampling.max_tokens >= max_model_len and "max_tokens" not in columns:
+    positions, after it against the engine's length (which the KV cache may shorten)."""
+    if cfg.sampling.max_tokens >= max_model_len and "max_tokens" not in columns:
         raise JobError(f"sampling.max_tokens={cfg.sampling.max_tokens} leaves no room for a prompt in "
                        f"max_model_len={max_model_len}: every row would be an error row")
 
@@ -113,3 +113,16 @@ def _check_template(cfg: JobConfig, tokenizer: Tokenizer) -> None:
         raise JobError(f"{'input.messages_column' if inp.messages_column else 'input.chat_template=true'} renders "
                        "with the model's chat template, and this model has none: give input.chat_template a "
                        "template (or its file), or set input.chat_template=false for raw prompts")
+
+
+def _check_adapters(cfg: JobConfig, shape: ModelConfig) -> None:
+    """Each adapter of model.lora.adapters is a PEFT LoRA checkpoint this model can take (a row's own
+    adapter, named by its folder, is judged per row)."""
+    from pipeline.engine.adapters import check_adapter
+    from pipeline.model.lora.peft_file import AdapterError
+
+    for name, source in (cfg.model.lora.adapters or {}).items():
+        try:
+            check_adapter(name, source, shape, cfg.model.cache_dir)
+        except AdapterError as e:
+            raise JobError(f"invalid config `model.lora.adapters`: {e}") from None

@@ -12,9 +12,13 @@ import bisect
 from collections.abc import Sequence
 
 
-def prefix_order(token_seqs: Sequence[Sequence[int]]) -> list[int]:
-    """Indices of `token_seqs` in lexicographic token order (ties in input order)."""
-    return sorted(range(len(token_seqs)), key=lambda i: list(token_seqs[i]))
+def prefix_order(token_seqs: Sequence[Sequence[int]], groups: Sequence[str | None] | None = None) -> list[int]:
+    """Indices of `token_seqs` in lexicographic token order (ties in input order). With `groups` (each
+    sequence's LoRA adapter, None first), by group first: a prefix is shared only within one adapter."""
+    if groups is None:
+        return sorted(range(len(token_seqs)), key=lambda i: list(token_seqs[i]))
+    return sorted(range(len(token_seqs)),
+                  key=lambda i: (groups[i] is not None, groups[i] or "", list(token_seqs[i])))
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -5,8 +5,9 @@ Why: `rows_to_do` (pipeline/plan/rows.py) cuts the input into windows of `plan.w
 prepared prompt travels with it to the engine, so no row is tokenized twice and memory stays bounded by one
 window. With `plan.prefix_sort` the order is lexicographic by token ids (the depth-first order of the
 window's prefix tree, ties in input order), so rows sharing a system prompt reach the engine together and
-its cache blocks are hot while they run. Error rows (no tokens) sort first; the order depends only on the
-rows' tokens, so a restart plans every window identically.
+its cache blocks are hot while they run; rows with a LoRA adapter come after the base model's, grouped by
+adapter (a prefix is shared only under one adapter). Error rows (no tokens) sort first; the order depends
+only on the rows' tokens and adapters, so a restart plans every window identically.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class WindowPlanner:
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, PlannedRow]]:
         prepared = [self.prepare(row) for row in rows]
-        if self.prefix_sort:
-            order = prefix_order([p.token_ids or () for p in prepared])
+        if self.prefix_sort:  # by LoRA adapter, then tokens: error rows (no tokens, no adapter) first
+            order = prefix_order([p.token_ids or () for p in prepared], [p.adapter for p in prepared])
         else:
             order = list(range(len(rows)))
         self.windows += 1
@@ -46,19 +47,22 @@ class WindowPlanner:
 class PrefillLowerBound:
     """The least prefill any order could do for the prompts sent to the engine: the distinct prefix-tree
     nodes of each window's prompts, summed over windows (the cache may still carry a prefix across windows,
-    so a run can beat it there)."""
+    so a run can beat it there). Each LoRA adapter has a tree of its own: no prefix is shared across them."""
 
     def __init__(self) -> None:
         self.window: int | None = None
-        self.tree = PrefixTreeCounter()
+        self.trees: dict[str | None, PrefixTreeCounter] = {}  # the current window's, per adapter
         self.finished = 0  # bound of the windows before the current one
 
-    def add(self, window: int, token_ids: Sequence[int]) -> None:
+    def add(self, window: int, token_ids: Sequence[int], adapter: str | None = None) -> None:
         if window != self.window:
-            self.finished += self.tree.total
-            self.window, self.tree = window, PrefixTreeCounter()
-        self.tree.add(token_ids)
+            self.finished += self._window_total()
+            self.window, self.trees = window, {}
+        self.trees.setdefault(adapter, PrefixTreeCounter()).add(token_ids)
+
+    def _window_total(self) -> int:
+        return sum(tree.total for tree in self.trees.values())
 
     @property
     def total(self) -> int:
-        return self.finished + self.tree.total
+        return self.finished + self._window_total()

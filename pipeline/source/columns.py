@@ -39,11 +39,15 @@ def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
     specs += [
         ColumnSpec(c, "input.sampling_columns", *column_type(c), required=False) for c in inp.sampling_columns
     ]
+    if inp.lora_column:
+        specs.append(ColumnSpec(inp.lora_column, "input.lora_column", _is_text, "string"))
     return specs
 
 
 def read_columns(inp: Mapping[str, Any]) -> list[str]:
     """The columns a job reads, in the order its batches carry them (prompt or messages, id, passthrough,
-    sampling; each once). `inp`: the resolved `input` section, as the job and its fingerprint hold it."""
+    sampling, LoRA adapter; each once). `inp`: the resolved `input` section, as the job and its fingerprint
+    hold it."""
     return list(dict.fromkeys([inp["messages_column"] or inp["prompt_column"], inp["id_column"],
-                               *inp["passthrough_columns"], *inp["sampling_columns"]]))
+                               *inp["passthrough_columns"], *inp["sampling_columns"],
+                               *([inp["lora_column"]] if inp.get("lora_column") else [])]))

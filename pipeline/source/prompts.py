@@ -43,6 +43,7 @@ class Prepared:
     error: str | None = None
     prompt_tokens: int = 0  # tokens of the (possibly truncated) prompt; known for over-long rows too
     own_seed: bool = False  # the row's seed column set `sampling.seed`
+    adapter: str | None = None  # the row's LoRA adapter (input.lora_column); None: the base model
 
 
 class RowError(ValueError):
@@ -143,12 +144,23 @@ class PromptBuilder:
             return Prepared(None, None, "; ".join(row[BAD_CELLS]))
         try:
             sampling = self._sampling(row)
+            adapter = self._adapter(row)
             tokens = self._encode(self._text(row))
             fitted = self._fit(tokens, sampling.max_tokens)
         except RowError as e:
             return Prepared(None, None, str(e), len(tokens))
         own_seed = "seed" in self.inp.sampling_columns and not _missing(row.get("seed"))
-        return Prepared(fitted, sampling, None, len(fitted), own_seed)
+        return Prepared(fitted, sampling, None, len(fitted), own_seed, adapter)
+
+    def _adapter(self, row: Mapping[str, Any]) -> str | None:
+        """The row's LoRA adapter name or folder (None: the base model); the engine judges whether it runs."""
+        column = self.inp.lora_column
+        value = row.get(column) if column else None
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise RowError(f"adapter is not text: {type(value).__name__} (column {column!r})")
+        return value.strip() or None
 
     def _sampling(self, row: Mapping[str, Any]) -> SamplingParams:
         overrides = {}

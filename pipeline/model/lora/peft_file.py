@@ -114,13 +114,16 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str | None = None) ->
     tensors = _read_tensors(path / WEIGHTS_FILE, name)
     shapes = module_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        m = _TENSOR.search(key)
+    for key in sorted(tensors, key=lambda k: ".lora_" not in k):  # a LoRA pair's target is named first
+        tensor, m = tensors[key], _TENSOR.search(key)
         if m is None:
-            if any(f"{v}." in key or key.endswith(v) for v in VOCABULARY_MODULES):
+            if ".lora_" in key:
+                module = key.split(".lora_")[0].rsplit(".", 1)[-1]
+                raise AdapterError(f"adapter {name!r} targets {module!r}, which the model does not have as a "
+                                   f"LoRA target (it has {', '.join(TARGETS)})")
+            if any(f"{v}." in key for v in VOCABULARY_MODULES):
                 raise AdapterError(f"adapter {name!r} changes the vocabulary (it carries {key})")
-            raise AdapterError(f"adapter {name!r}: tensor {key} is not a LoRA pair of a layer projection the "
-                               f"model has ({', '.join(TARGETS)})")
+            raise AdapterError(f"adapter {name!r}: tensor {key} is not a LoRA pair of a layer projection")
         layer, module, half = int(m.group(1)), m.group(2), m.group(3)
         if module not in shapes:
             raise AdapterError(f"adapter {name!r} targets {module!r}, which the model does not have "
