@@ -251,6 +251,7 @@ class GpuRunner:
         self.graph_table_width = min(num_blocks, -(-max_len // block_size))
         self.buckets = graph_buckets(max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, StepPlan, torch.Tensor]] = {}
+        self.replays = 0  # steps served by a graph (bench/gpu_check.py reports their share)
         if cuda_graphs and is_cuda:
             self._capture_all()
 
@@ -274,6 +275,7 @@ class GpuRunner:
             self.attn.copy_blocks(plan.copies)
             self.upload(plan, into=static)
             graph.replay()
+            self.replays += 1
             return logits[:d]
         plan = self._plan(batch)
         self.attn.copy_blocks(plan.copies)
