@@ -28,12 +28,13 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """y = x W^T for x [..., K] (bfloat16/float16/float32), W as float8 [N, K] with scales [N]; y in x's dtype."""
+    """y = x W^T for x [..., K] (bfloat16/float16/float32), W as float8 [N, K] with scales [N]; y in x's dtype,
+    rounded through bfloat16 (the kernel's output)."""
     k, n = x.shape[-1], wq.shape[0]
     x2 = x.reshape(-1, k)
     xq, x_scale = quantize_fp8_rows(x2)
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.view(1, n), out_dtype=out_dtype)
+    # bfloat16 out for every model dtype: a float16 output would overflow past 65504 inside the kernel
+    y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.view(1, n), out_dtype=torch.bfloat16)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

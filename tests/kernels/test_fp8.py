@@ -41,3 +41,24 @@ def test_scaled_mm_equals_reference_and_is_close_to_dense(dtype):
     assert (y.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
     # The quantization itself: a few percent of the output scale, as e4m3 promises (~2^-4 per element).
     assert (ref - dense).abs().max() <= 0.1 * dense.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_scaled_mm_is_asked_for_bfloat16_output(dtype, monkeypatch):
+    """float16's range ends at 65504: the product comes back in bfloat16 (float32's range) and is cast to
+    the model dtype after, whatever that dtype is. A stand-in `_scaled_mm` (float32 arithmetic) records
+    what it was asked for."""
+    asked = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        asked.append(out_dtype)
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 64, generator=g).to(dtype), torch.randn(16, 64, generator=g) * 0.05
+    wq, ws = quantize_fp8_weight(w)
+    y = fp8_matmul(x, wq, ws)
+    assert asked == [torch.bfloat16] and y.dtype == dtype
+    ref = fp8_matmul_reference(x, wq, ws)
+    assert (y.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
