@@ -2,8 +2,10 @@
 
 One kernel serves int4 (W4A16) and int8 (W8A16). Each program owns a BLOCK_M x BLOCK_N tile of y and a
 share of K (split-K: SPLIT_K programs per tile, their float32 partials summed afterwards), walks it in
-BLOCK_K steps, dequantizes the weight tile in registers and accumulates `tl.dot` in float32; the weight
-is never written out dequantized. Format: see `kernels.wq_reference`.
+BLOCK_K steps, dequantizes the weight tile in float32 registers and accumulates `tl.dot` in float32; the
+weight is never written out dequantized. With bfloat16 / float16 activations the dequantized tile is
+rounded to that dtype for the tensor-core dot (the same rounding a bf16 model's own weights carry); with
+float32 activations the dot is float32 throughout. Format: see `kernels.wq_reference`.
 
 - int4: each packed byte is loaded once; its low nibbles (even k) and high nibbles (odd k) are two
   [BLOCK_K/2, BLOCK_N] tiles multiplied with the even and odd columns of x.
