@@ -1,9 +1,13 @@
-"""The one exception type that ends a run with a clear message instead of a traceback."""
+"""The exception types that end a run with a clear one-line message instead of a traceback."""
 
 
 class JobError(Exception):
     """A job-level problem the user must fix (bad config, unreadable input, missing model).
 
-    `python -m pipeline` prints the message on one line and exits with status 2 (73 for `LeaseHeld`, an output
-    leased by another live job). Row-level problems never raise: they become error rows in the output.
+    `python -m pipeline` prints the message on one line and exits with status 2 (73 for `LeaseHeld`). Row-level
+    problems never raise: they become error rows in the output.
     """
+
+
+class LeaseHeld(JobError):
+    """Another live job owns this output (or an overlapping shard of it), or took it over from this one."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.output.lease import LeaseHeld
 from pipeline.output.ledger import part_name
 from pipeline.output.run_state import RunState
 from pipeline.output.sink import ParquetSink
@@ -60,14 +59,13 @@ class UnitWriter:
         return slot
 
     def _commit(self, slot: _Open) -> None:
-        lease = self.state.lease
-        if lease.lost:
-            raise LeaseHeld(f"not committing unit {slot.unit.id}: {lease.lost}")
+        """Write the unit's part, then its ledger record, through the lease's fence (`Lease.commit`): a job
+        whose lease another job took over stops here (LeaseHeld) and writes nothing of the unit."""
         slot.rows.sort(key=lambda r: (r[0], r[1]))
         rows = [r for _, _, r in slot.rows]
-        with self.state.stop.critical():
-            part = self.sink.write_rows(slot.unit.id, rows, self.rows.rows.pop(slot.unit.index))
+        with self.state.stop.critical(), self.state.lease.commit(f"unit {slot.unit.id}") as put:
+            part = self.sink.write_rows(slot.unit.id, rows, self.rows.rows.pop(slot.unit.index), put)
             self.state.ledger.commit(slot.unit.id, part.name, part.bytes, [r["id"] for r in rows],
-                                     self.digests.done[slot.unit.window])
+                                     self.digests.done[slot.unit.window], put)
         self.committed_units += 1
         self.rows_written += part.rows

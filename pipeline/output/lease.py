@@ -14,11 +14,14 @@ and after taking over a stale lease (delete + create is not atomic), the owner r
 a short settle delay. Every heartbeat re-reads the file too: an owner that finds someone else's token has
 lost the lease and is told through `on_lost` (the job then stops admitting work). Staleness compares the holder's
 clock with ours: hosts sharing an output need roughly synchronised clocks (NTP), as usual on clusters.
+
+A lease is not a fence by itself: a holder frozen past the timeout (a stopped container, a paused VM) wakes
+up believing it still holds it. So the holder also opens a fence epoch (fence.py), named in the lease file,
+and commits every unit through `Lease.commit`: once another job took over, its commits are refused.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -27,24 +30,23 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import JobError
+from pipeline.errors import JobError, LeaseHeld
 from pipeline.faults import fault_point
+from pipeline.output.exclusive import create_exclusive
+from pipeline.output.fence import Fence, Fenced, Put, overlaps
 from pipeline.output.ledger import write_whole
 
 log = logging.getLogger(__name__)
 
 LEASE_DIR = "_lease"
-
-
-class LeaseHeld(JobError):
-    """Another live job owns this output (or an overlapping shard of it)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class LeaseRecord:
     pid: int
     started: float
     heartbeat: float
+    epoch: int = 0  # the holder's fence epoch (0 until it has one)
 
     def age(self, now: float) -> float:
         return now - self.heartbeat
@@ -68,7 +71,7 @@ class LeaseRecord:
         return True
 
     def describe(self, now: float) -> str:
-        return f"host {self.host}, pid {self.pid}, last heartbeat {self.age(now):.1f}s ago"
+        return f"host {self.host}, pid {self.pid}, epoch {self.epoch}, last heartbeat {self.age(now):.1f}s ago"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -79,28 +82,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _create_local(path: str, data: bytes, token: str) -> None:
-    """Create `path` holding `data`, or raise FileExistsError: a hard link of a complete temp file (readers
-    never see it half written); `O_EXCL` where the filesystem has no hard links."""
-    tmp = f"{path}.tmp-{token}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)  # atomic: fails if the name exists
-    except FileExistsError:
-        raise
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-            raise
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    finally:
-        os.remove(tmp)
 
 
 def lease_name(num_shards: int, shard_index: int) -> str:
@@ -133,6 +114,7 @@ class Lease:
         self.settle_s = settle_s
         self.on_lost = on_lost
         self.token = uuid.uuid4().hex
+        self.fence = Fence(fs, self.dir, self.name, num_shards, self.token)
         self.lost: str | None = None
         self._started = 0.0
         self._stop = threading.Event()
@@ -166,14 +148,14 @@ class Lease:
 
     def _conflicts(self, rec: LeaseRecord) -> bool:
         """Same shard, or a different split of the same output (whose units overlap ours)."""
-        return rec.name == self.name or rec.num_shards != self.num_shards
+        return overlaps(rec.name, rec.num_shards, self.name, self.num_shards)
 
     # -- owning ------------------------------------------------------------------------------------------
 
     def _record(self) -> bytes:
         now = time.time()
         rec = LeaseRecord(self.name, self.num_shards, self.token, socket.gethostname(), os.getpid(),
-                          self._started or now, now)
+                          self._started or now, now, self.fence.epoch)
         return json.dumps(asdict(rec)).encode()
 
     def _write(self) -> None:
@@ -183,10 +165,7 @@ class Lease:
         """Create the lease file only if it does not exist; False if it does (someone else has it)."""
         data = self._record()
         try:
-            if isinstance(self.fs, LocalFileSystem):
-                _create_local(self.path, data, self.token)
-            else:
-                self.fs.pipe_file(self.path, data, mode="create")
+            create_exclusive(self.fs, self.path, data)
         except FileExistsError:
             return False
         except OSError as e:
@@ -231,7 +210,9 @@ class Lease:
                 raise self._held_by_another("at the same moment")
         try:  # a job with another shard split may have created its own, conflicting lease meanwhile
             self._check_others(time.time())
-        except LeaseHeld:
+            self.fence.open()  # seals the epochs of the writers whose leases were taken over
+            self._write()  # the lease names its epoch
+        except BaseException:
             self.fs.rm(self.path)
             raise
         self._stop.clear()
@@ -254,12 +235,27 @@ class Lease:
             except Exception as e:  # a transient store error must not kill the thread; retry next beat
                 log.warning("lease heartbeat on %s failed: %s", self.path, e)
 
+    @contextmanager
+    def commit(self, what: str) -> Iterator[Put]:
+        """Write `what`'s files with the `Put` this yields, through the fence (`Fence.commit`): LeaseHeld if
+        the lease is known to be lost, Fenced (and the lease lost) if another job took over."""
+        if self.lost:
+            raise LeaseHeld(f"not committing {what}: {self.lost}")
+        try:
+            with self.fence.commit(what) as put:
+                yield put
+        except Fenced as e:
+            self.lost = str(e)
+            raise
+
     def release(self) -> None:
+        """Stop the heartbeat; unless the lease was lost, end the fence epoch and delete the lease file."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self.lost is None:
+            self.fence.close()
             rec = self._read(self.path)
             if rec is not None and rec.token == self.token:
                 self.fs.rm(self.path)

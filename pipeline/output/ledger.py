@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pyarrow as pa
@@ -34,6 +34,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
+
+if TYPE_CHECKING:
+    from pipeline.output.fence import Put
 
 PART_PREFIX = "part-"
 _TEMP_NAME = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # `write_whole`'s temp files
@@ -141,15 +144,20 @@ class Ledger:
         return self.path(PROGRESS_DIR, f"{unit_id}.json")
 
     def commit(self, unit_id: str, part: str, nbytes: int, ids: Sequence[Any],
-               input_sha256: dict[str, str] | None = None) -> CommitRecord:
+               input_sha256: dict[str, str] | None = None, put: Put | None = None) -> CommitRecord:
         """Record a part that was just written whole (`write_whole`): this record is the commit point.
 
         `ids` are the part's id column, one per row; `input_sha256` the digests of the unit's window
-        (`WindowDigests`). Re-committing a unit overwrites its record.
+        (`WindowDigests`); `put` writes the record (a job's fenced commit, pipeline/output/fence.py;
+        `write_whole` without one). Re-committing a unit overwrites its record.
         """
         record = CommitRecord(unit=unit_id, part=part, rows=len(ids), ids_sha256=ids_checksum(ids),
                               bytes=nbytes, committed_at=time.time(), input_sha256=input_sha256)
-        write_whole(self.fs, self.record_path(unit_id), json.dumps(asdict(record)).encode(), "ledger")
+        data = json.dumps(asdict(record)).encode()
+        if put is None:
+            write_whole(self.fs, self.record_path(unit_id), data, "ledger")
+        else:
+            put(self.record_path(unit_id), data, "ledger")
         return record
 
     def committed(self) -> dict[str, CommitRecord]:

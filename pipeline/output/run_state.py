@@ -179,9 +179,11 @@ class RunState:
     def close(self) -> None:
         """Release the lease. A run that wrote the manifest but committed nothing (a failed model load, a
         bad engine setting, a stop before the first commit) takes the manifest back, so the corrected
-        rerun starts fresh instead of being refused as another configuration."""
+        rerun starts fresh instead of being refused as another configuration; unless it lost the lease:
+        the manifest is then the new holder's."""
         try:
-            if self.fresh and self.num_shards == 1 and not self.ledger.committed() and not self.ledger.is_complete():
+            if (self.lease.lost is None and self.fresh and self.num_shards == 1 and not self.ledger.committed()
+                    and not self.ledger.is_complete()):
                 self.fs.rm(posixpath.join(self.root, JOB_FILE))
         finally:
             self.lease.release()

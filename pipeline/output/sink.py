@@ -1,10 +1,11 @@
 """Write results as a Parquet dataset (zstd part files) under one output directory, through fsspec.
 
-Result rows reach the output only through `ParquetSink.write_part(unit_id, table, input_rows)` (`write_rows`
-wraps it): each call writes one whole part file (`ledger.write_whole`: local temp file + fsync + rename;
-object stores: one PUT of the final key), which records the input rows it holds, and returns what it
-wrote. `UnitWriter` (pipeline/output/commit.py) adds the ledger record after that call returns (the commit
-point); resume and shards choose the unit ids (see pipeline/output/run_state.py). `finish` writes the
+Result rows reach the output only through `ParquetSink.write_part(unit_id, table, input_rows, put)`
+(`write_rows` wraps it): each call writes one whole part file, which records the input rows it holds, and
+returns what it wrote. A job's `UnitWriter` (pipeline/output/commit.py) passes its fenced commit's `put`
+(pipeline/output/fence.py) and adds the ledger record after the part (the commit point); without one the part
+is written at once (`ledger.write_whole`: local temp file + fsync + rename; object stores: one PUT of the
+final key). Resume and shards choose the unit ids (see pipeline/output/run_state.py). `finish` writes the
 run's metrics the same way.
 """
 
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
+from pipeline.output.fence import Put
 from pipeline.output.ledger import INPUT_ROWS_KEY, part_name, write_whole
 
 # Only part files have visible names: dataset readers (pyarrow.dataset, polars, Spark, `datasets`) skip
@@ -87,20 +89,21 @@ class ParquetSink:
         self.schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
         self.compression = compression
 
-    def write_part(self, unit_id: str, table: pa.Table, input_rows: list[int]) -> PartInfo:
+    def write_part(self, unit_id: str, table: pa.Table, input_rows: list[int], put: Put | None = None) -> PartInfo:
         """Write `table` (cast to the output schema) whole as this unit's part file; `input_rows`: the input
-        row of each of its input rows (`INPUT_ROWS_KEY`)."""
+        row of each of its input rows (`INPUT_ROWS_KEY`); `put`: what writes it (`write_whole` without one)."""
         table = table.cast(self.schema)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), INPUT_ROWS_KEY: json.dumps(input_rows)})
         buf = pa.BufferOutputStream()
         pq.write_table(table, buf, compression=self.compression)
         data = buf.getvalue().to_pybytes()
         name = part_name(unit_id)
-        self._put(name, data, "part")
+        self._put(name, data, "part", put)
         return PartInfo(unit_id, name, table.num_rows, len(data))
 
-    def write_rows(self, unit_id: str, rows: list[dict[str, Any]], input_rows: list[int]) -> PartInfo:
-        return self.write_part(unit_id, pa.Table.from_pylist(rows, schema=self.schema), input_rows)
+    def write_rows(self, unit_id: str, rows: list[dict[str, Any]], input_rows: list[int],
+                   put: Put | None = None) -> PartInfo:
+        return self.write_part(unit_id, pa.Table.from_pylist(rows, schema=self.schema), input_rows, put)
 
     def finish(self, metrics: Mapping[str, Any], name: str = METRICS_FILE) -> None:
         """Write the run's metrics (`_SUCCESS` is the ledger's: only when every unit is committed)."""
@@ -112,5 +115,9 @@ class ParquetSink:
         if not self.fs.exists(posixpath.join(self.root, name)):
             self.finish(metrics, name)
 
-    def _put(self, name: str, data: bytes, point: str) -> None:
-        write_whole(self.fs, posixpath.join(self.root, name), data, point)  # JobError naming the file
+    def _put(self, name: str, data: bytes, point: str, put: Put | None = None) -> None:
+        path = posixpath.join(self.root, name)
+        if put is None:
+            write_whole(self.fs, path, data, point)  # JobError naming the file
+        else:
+            put(path, data, point)

@@ -150,21 +150,3 @@ def test_a_job_delayed_between_its_check_and_its_create_does_not_take_a_held_lea
 def test_timeout_must_be_positive(tmp_path) -> None:
     with pytest.raises(ValueError, match="output.lease_timeout_s"):
         Lease(fsspec.filesystem("file"), str(tmp_path), timeout_s=0)
-
-
-def test_exclusive_create_without_hard_links(tmp_path, monkeypatch) -> None:
-    """Where the filesystem has no hard links, O_EXCL still lets exactly one creator win."""
-    import errno
-
-    import pipeline.output.lease as lease_module
-
-    def no_links(src, dst):
-        raise OSError(errno.EPERM, "Operation not permitted")
-
-    monkeypatch.setattr(lease_module.os, "link", no_links)
-    path = str(tmp_path / "all.json")
-    lease_module._create_local(path, b"first", "a")
-    with pytest.raises(FileExistsError):
-        lease_module._create_local(path, b"second", "b")
-    assert (tmp_path / "all.json").read_bytes() == b"first" and sorted(p.name for p in tmp_path.iterdir()) == [
-        "all.json"]
