@@ -1,24 +1,20 @@
-"""W8A8 on CPU: `torch._int_mm` on the plain int8 weights, oneDNN's GEMM on weights packed once
-(`kernels.packed_int8`) or our own VNNI GEMM on weights packed into its panels (`kernels.vnni_gemm`),
-whichever runs this model's products faster on this CPU, timed at load.
-
-Which wins depends on the CPU. For SmolLM2 at 256 rows, an AMX Xeon ran a step's layer products in 29 ms
-packed against 44 ms through `torch._int_mm`, and the LM head in 6.3 against 15.3 ms; an AVX-512 VNNI Xeon
-without AMX ran the layers slower packed (81 against 64 ms) but the head faster (17.6 against 22.9). So the
-layers and the head are timed and chosen apart. On a Zen 4 (AVX-512 VNNI, no AMX) the native GEMM ran
-SmolLM2's layer products at 64 rows 1.26x faster than the faster of oneDNN's two (docs/performance.md). All
-three give the same bits (`kernels.dispatch.int8_products`): the choice moves speed only, never a token.
+"""W8A8 on CPU: put each part's int8 weights on the GEMM `pipeline.model.cpu_kernels` names for this CPU
+(`torch._int_mm` on the plain weights, oneDNN's GEMM on weights packed once, `kernels.packed_int8`, or our
+own VNNI GEMM on weights packed into its panels, `kernels.vnni_gemm`), timing them on the model where the
+CPU's features leave more than one (AMX). All three give the same bits (`kernels.dispatch.int8_products`):
+the choice moves speed only, never a token.
 
 What is timed: the part's W8A8 weights once each (of the layers, the first TIMED_LAYERS'), at TIMED_ROWS
 rows of random int8 activations, as a step runs them (the weights streaming one after another, not one
-layer's in cache). Before that, a few calls each on a slice of one weight screen out a packed GEMM that runs
-on oneDNN's reference kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed the weight but multiplied it
-with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it took 9 minutes of the load.
-The same calls check each packed GEMM's products against the exact sums, bit for bit (a kernel that
-saturates is refused; `kernels.packed_int8.weight_bound` keeps the weights within what it multiplies exactly).
+layer's in cache); the layers and the head apart, as the winners differ (an AVX-512 VNNI Xeon ran the layers
+faster on `torch._int_mm`, the head on the packed GEMM).
 
-Without VNNI (an AVX2 Zen 3) the roles turn: `torch._int_mm` ran on a reference kernel (~3 GOP/s) and the
-packed GEMM at ~125-320, on 7-bit weights (`kernels.packed_int8`).
+Before a packed GEMM is timed or, where the features name it alone, used, a few calls on a slice of one
+weight check it: its products against the exact sums, bit for bit (a kernel that saturates is refused;
+`kernels.packed_int8.weight_bound` keeps the weights within what it multiplies exactly), and its speed
+against `torch._int_mm`'s, to screen out a fallback kernel: on a Zen 4 (AVX-512 VNNI, no AMX) oneDNN packed
+the weight but multiplied it with `ref_int8`, 1,300x slower than `torch._int_mm`, and the full timing of it
+took 9 minutes of the load.
 """
 
 from __future__ import annotations
@@ -30,15 +26,13 @@ from torch import nn
 
 from kernels.dispatch import as_products, int8_outputs
 from kernels.packed_int8 import (
-    OneDNNWeight,
     pack_int8_weight,
     pack_native_int8_weight,
     packed_gemm_name,
     release_packed,
     uint8_activations,
 )
-from kernels.vnni_gemm import NativeInt8Weight
-from kernels.vnni_gemm import unavailable_reason as native_unavailable
+from pipeline.model.cpu_kernels import NATIVE, PACKED, PLAIN, CpuFeatures, GemmRule, int8_gemm_rule
 from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.stopwatch import alternating_best, best_seconds
 
@@ -48,7 +42,6 @@ TIMED_ROWS = 128  # a compute-bound batch, where W8A8 runs
 TIMED_LAYERS = 4
 ROUNDS = 3  # alternating rounds; each GEMM's figure is the median of its rounds' best
 REPS = 2
-PLAIN, PACKED, NATIVE = "torch._int_mm", OneDNNWeight.name, NativeInt8Weight.name
 PACKERS = {PACKED: pack_int8_weight, NATIVE: pack_native_int8_weight}
 SCREEN_CHANNELS = 256  # output channels of the weight slice the screening call runs on
 # A packed call this many times slower than the plain one on the slice is a fallback kernel (the reference
@@ -69,75 +62,100 @@ def int8_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
     return parts
 
 
+def cpu_features() -> CpuFeatures:
+    """This machine's (a seam for tests that stand in for another CPU)."""
+    return CpuFeatures.here()
+
+
 def choose_int8_gemm(model: nn.Module, known: dict[str, str] | None = None) -> dict[str, str]:
-    """Time the GEMMs this CPU has (`torch._int_mm`, oneDNN's packed one, the native VNNI one) on each part's
-    own weights (`int8_parts`; of the layers, the first TIMED_LAYERS'), keep the fastest (packing the
-    weights, the plain int8 copies freed, where a packed GEMM wins) and return {part: the GEMM chosen, the
-    figures, and why any GEMM was not timed}. A part in `known` (this function's answer for the same model
-    on the same CPU, kept by the startup cache) takes the GEMM named there untimed, where it is available."""
-    chosen = {}
+    """Put each W8A8 part (`int8_parts`) on the GEMM `int8_gemm_rule` names for this CPU, or the fastest of
+    those it names, timed on the part's own weights (of the layers, the first TIMED_LAYERS'), packing the
+    weights (the plain int8 copies freed) for a packed GEMM, and return {part: the GEMM, and why: the
+    figures, or the rule, and any GEMM left out}. A part in `known` (this function's answer for the same
+    model on the same CPU, kept by the startup cache) takes the GEMM named there untimed, where the rule
+    allows it."""
+    features, chosen = cpu_features(), {}
     with torch.inference_mode():
         for part, modules in int8_parts(model).items():
-            winner = gemm_named((known or {}).get(part, ""))
-            if winner is not None:
-                for m in modules:
-                    if winner != PLAIN and m.int8_layout[2] is None:
-                        m.use_packed_int8(PACKERS[winner](m, m.int8_layout[0]))
+            rule = int8_gemm_rule(features, part)
+            packed = next((m.int8_layout[2] for m in modules if m.int8_layout[2] is not None), None)
+            named = gemm_named((known or {}).get(part, ""), rule)
+            if named is not None:
+                _use(modules, named)
                 chosen[part] = known[part]
-                continue
-            if any(m.int8_layout[2] is not None for m in modules):
-                chosen[part] = packed_gemm_name(next(m.int8_layout[2] for m in modules if m.int8_layout[2] is not None))
-                continue
-            timed = _timed(model, part, modules)
-            candidates, notes = _packed_candidates(timed, TIMED_ROWS)
-            names = [PLAIN, *candidates]
-            passes = [gemm_pass(timed, TIMED_ROWS, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
-                      for handles in [[None] * len(timed), *candidates.values()]]
-            seconds = alternating_best(passes, ROUNDS, REPS) if candidates else [0.0]
-            winner = names[min(range(len(names)), key=seconds.__getitem__)]
-            for name, handles in candidates.items():
-                if name == winner:
-                    for m, handle in zip(timed, handles):
-                        m.use_packed_int8(handle)
-                    for m in modules:
-                        if m.int8_layout[2] is None:
-                            m.use_packed_int8(PACKERS[name](m, m.int8_layout[0]))
-                else:
-                    for handle in handles:
-                        release_packed(handle)
-            if candidates:
-                notes.insert(0, ", ".join(f"{t * 1e3:.2f} ms {name}" for name, t in zip(names, seconds)) +
-                             f" for {len(timed)} of its {len(modules)} weights at {TIMED_ROWS} rows")
-            chosen[part] = f"{winner} ({'; '.join(notes)})"
+            elif packed is not None:
+                chosen[part] = packed_gemm_name(packed)
+            elif len(rule.gemms) == 1:
+                chosen[part] = _named_by_rule(modules, rule)
+            else:
+                chosen[part] = _fastest(_timed(model, part, modules), modules, rule)
     return chosen
 
 
-def gemm_named(description: str) -> str | None:
-    """The GEMM a `choose_int8_gemm` answer names (its first words), if this CPU can run it now."""
-    name = next((n for n in (PLAIN, PACKED, NATIVE) if description.startswith(n)), None)
-    if name == NATIVE and native_unavailable():
-        return None
-    return name
+def gemm_named(description: str, rule: GemmRule) -> str | None:
+    """The GEMM a `choose_int8_gemm` answer names (its first words), if `rule` (or the fallback, `torch._int_mm`)
+    allows it."""
+    return next((n for n in (PLAIN, *rule.gemms) if description.startswith(n)), None)
 
 
-def _packed_candidates(timed: list[nn.Module], rows: int) -> tuple[dict[str, list[torch.Tensor]], list[str]]:
-    """The packed GEMMs worth timing against `torch._int_mm` on these modules, each with the modules'
-    weights packed for it (handles), and why any other was left out."""
-    candidates, notes = {}, []
-    for name, pack in PACKERS.items():
-        why_not = native_unavailable() if name == NATIVE else None
+def _use(modules: list[nn.Module], name: str) -> None:
+    """Pack the weights of the modules not packed yet for the GEMM `name` (`torch._int_mm`: none)."""
+    if name != PLAIN:
+        for m in modules:
+            if m.int8_layout[2] is None:
+                m.use_packed_int8(PACKERS[name](m, m.int8_layout[0]))
+
+
+def _named_by_rule(modules: list[nn.Module], rule: GemmRule) -> str:
+    """The one GEMM the rule names, where it passes the screening on the first module's weight; else
+    `torch._int_mm`. Its answer as `choose_int8_gemm`'s."""
+    name, notes = rule.gemms[0], [rule.why]
+    if name != PLAIN:
+        why_not = _screening(modules[0], name)
         if why_not:
-            why_not = f"no {name} GEMM here: {why_not}"
-        else:
-            try:
-                why_not = _screened_out(timed[0], rows, name)  # a failing kernel shows here, before any timing
-            except RuntimeError as e:
-                why_not = f"no {name} GEMM here: {str(e).splitlines()[0]}"
-        if why_not:
+            name = PLAIN
             notes.append(why_not)
+    _use(modules, name)
+    return f"{name} ({'; '.join(notes)})"
+
+
+def _fastest(timed: list[nn.Module], modules: list[nn.Module], rule: GemmRule) -> str:
+    """Time the rule's GEMMs that pass the screening on `timed` (of `modules`), keep the fastest and pack
+    `modules` for it; its answer as `choose_int8_gemm`'s."""
+    candidates, notes = {}, []
+    for name in rule.gemms:
+        if name != PLAIN:
+            why_not = _screening(timed[0], name)  # a failing kernel shows here, before any timing
+            if why_not:
+                notes.append(why_not)
+            else:
+                candidates[name] = [PACKERS[name](m, m.int8_layout[0]) for m in timed]
+    names = [PLAIN, *candidates]
+    passes = [gemm_pass(timed, TIMED_ROWS, [(m.int8_layout[0], m.int8_layout[1], h) for m, h in zip(timed, handles)])
+              for handles in [[None] * len(timed), *candidates.values()]]
+    seconds = alternating_best(passes, ROUNDS, REPS) if candidates else [0.0]
+    winner = names[min(range(len(names)), key=seconds.__getitem__)]
+    for name, handles in candidates.items():
+        if name == winner:
+            for m, handle in zip(timed, handles):
+                m.use_packed_int8(handle)
         else:
-            candidates[name] = [pack(m, m.int8_layout[0]) for m in timed]
-    return candidates, notes
+            for handle in handles:
+                release_packed(handle)
+    _use(modules, winner)
+    if candidates:
+        notes.insert(0, ", ".join(f"{t * 1e3:.2f} ms {name}" for name, t in zip(names, seconds)) +
+                     f" for {len(timed)} of its {len(modules)} weights at {TIMED_ROWS} rows")
+    return f"{winner} ({'; '.join([*notes, *([rule.why] if rule.why else [])])})"
+
+
+def _screening(module: nn.Module, name: str) -> str | None:
+    """Why the packed GEMM `name` is not used on these weights (`_screened_out`, or it cannot pack them), or
+    None."""
+    try:
+        return _screened_out(module, TIMED_ROWS, name)
+    except RuntimeError as e:
+        return f"no {name} GEMM here: {str(e).splitlines()[0]}"
 
 
 def _screened_out(module: nn.Module, rows: int, name: str) -> str | None:

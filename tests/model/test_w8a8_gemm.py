@@ -11,10 +11,11 @@ import torch
 from kernels import packed_int8, vnni_gemm
 from kernels.packed_int8 import packed_gemm_name
 from pipeline.model import w8a8_gemm
+from pipeline.model.cpu_kernels import CpuFeatures, int8_gemm_rule
 from pipeline.model.llama import cpp_compiler
 from pipeline.model.loader import load_model
 from pipeline.model.w8a8_gemm import NATIVE, PACKED, PLAIN, int8_parts
-from tests.model.gemm_script import NATIVE_OFF, script_gemm_choice
+from tests.model.gemm_script import NATIVE_OFF, script_gemm_choice, stand_in_for_amx
 from tests.reference import greedy_decode, prompt_logits
 
 IDS = [1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42, 9000, 17]
@@ -85,7 +86,7 @@ def test_without_a_packed_kernel_every_part_stays_on_int_mm(tiny_model_dir, monk
         raise RuntimeError("could not create a primitive descriptor for the matmul primitive\nmore detail")
 
     monkeypatch.setitem(w8a8_gemm.PACKERS, PACKED, unavailable)
-    monkeypatch.setattr(w8a8_gemm, "native_unavailable", lambda: NATIVE_OFF)
+    stand_in_for_amx(monkeypatch)
     loaded = _load(tiny_model_dir)
     assert loaded.model.kernel_choice.int8_gemm == {
         part: f"{PLAIN} (no {PACKED} GEMM here: could not create a primitive descriptor for the matmul "
@@ -118,7 +119,7 @@ def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_mo
 
     monkeypatch.setattr(w8a8_gemm, "best_seconds", screening_call)
     monkeypatch.setattr(w8a8_gemm, "alternating_best", full_timing)
-    monkeypatch.setattr(w8a8_gemm, "native_unavailable", lambda: NATIVE_OFF)
+    stand_in_for_amx(monkeypatch)
     before = set(packed_int8._packed)
     loaded = _load(tiny_model_dir)
     chosen = loaded.model.kernel_choice.int8_gemm
@@ -131,9 +132,10 @@ def test_a_fallback_packed_kernel_is_screened_out_before_the_full_timing(tiny_mo
     assert all(m.int8_layout[2] is None for part in int8_parts(loaded.model).values() for m in part)
 
 
-def test_the_measurement_times_each_gemm_on_the_models_own_weights(tiny_model_dir):
-    """Unscripted: whichever wins on this machine, the figures of every GEMM timed (and why any other was
-    not) are given."""
+def test_the_measurement_times_each_gemm_on_the_models_own_weights(tiny_model_dir, monkeypatch):
+    """Unscripted timings, as on an AMX CPU: whichever wins on this machine, the figures of every GEMM timed
+    (and why any other was not) are given."""
+    stand_in_for_amx(monkeypatch, native=vnni_gemm.unavailable_reason() is None)
     chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
     assert set(chosen) == {"layers", "lm_head"}
     gemm = r"(torch\._int_mm|oneDNN packed|native VNNI)"
@@ -147,3 +149,32 @@ def test_the_measurement_times_each_gemm_on_the_models_own_weights(tiny_model_di
         # the figures are rounded (the tiny model's products take hundredths of a ms): the winner's may tie
         assert figures[timed.group(1)] == min(figures.values()) and PLAIN in figures
         assert (NATIVE in figures) == (vnni_gemm.unavailable_reason() is None)
+
+
+@pytest.mark.parametrize("flags,native,gemm", [({"avx2"}, False, PACKED), ({"avx2", "avx_vnni"}, False, PACKED),
+                                               ({"avx512_vnni", "avx2"}, True, NATIVE), (set(), False, PLAIN)])
+def test_where_the_features_decide_nothing_is_timed(tiny_model_dir, monkeypatch, flags, native, gemm):
+    if native and vnni_gemm.unavailable_reason():
+        pytest.skip(f"no native int8 GEMM here: {vnni_gemm.unavailable_reason()}")
+    features = CpuFeatures(frozenset(flags), None if native else NATIVE_OFF)
+    monkeypatch.setattr(w8a8_gemm, "cpu_features", lambda: features)
+
+    def timing(*args):
+        raise AssertionError("the features name one GEMM: nothing to time")
+
+    monkeypatch.setattr(w8a8_gemm, "alternating_best", timing)
+    loaded = _load(tiny_model_dir)
+    for part, modules in int8_parts(loaded.model).items():
+        assert loaded.model.kernel_choice.int8_gemm[part] == f"{gemm} ({int8_gemm_rule(features, part).why})"
+        assert all((m.int8_layout[2] is None) == (gemm == PLAIN) for m in modules)
+        assert all(packed_gemm_name(m.int8_layout[2]) == gemm for m in modules if m.int8_layout[2] is not None)
+    assert greedy_decode(loaded.model, PROMPTS, 3)  # runs
+
+
+def test_a_packed_gemm_the_features_name_falls_back_to_int_mm_where_its_products_differ(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(w8a8_gemm, "cpu_features", lambda: CpuFeatures(frozenset({"avx2"}), NATIVE_OFF))
+    monkeypatch.setattr(packed_int8.OneDNNWeight, "products", lambda self, u, s: torch.zeros(u.shape[0], s.numel()))
+    chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
+    for text in chosen.values():
+        assert text.startswith(f"{PLAIN} (AVX2 without AVX-512 VNNI") and \
+            f"{PACKED}'s products differ from {PLAIN}'s exact sums on one weight's slice: not used" in text
