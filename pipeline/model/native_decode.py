@@ -13,7 +13,6 @@ W8A8 whose every row the paged attention runs through its native kernel (`Native
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,8 +26,6 @@ from kernels.native_build import function_address
 from kernels.packed_int8 import packed_weight
 from kernels.vnni_gemm import NativeInt8Weight
 from pipeline.model.quant import QuantLinear
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,12 +70,9 @@ def native_decode_reason(model: nn.Module) -> str | None:
 
 
 def native_decode_layers(model: nn.Module) -> NativeDecodeLayers | None:
-    """The native layers of `model`, or None (logged with the reason) where it cannot run them."""
-    why = native_decode_reason(model)
-    if why:
-        log.info("decoder layers run on torch ops, not the native W8A8 layers: %s", why)
-        return None
-    return NativeDecodeLayers(model)
+    """The native layers of `model`, or None where it cannot run them (`native_decode_reason` says why; the
+    job logs it with the other CPU kernels, `pipeline.model.cpu_kernels`)."""
+    return None if native_decode_reason(model) else NativeDecodeLayers(model)
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
