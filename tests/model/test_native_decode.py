@@ -69,15 +69,15 @@ def _paired_steps(monkeypatch) -> list[Pair]:
     quantize = dispatch.quantize_rows
     monkeypatch.setattr(dispatch, "quantize_rows", lambda x, **kw: quantized.append(x.float()) or quantize(x, **kw))
 
-    def both(model, ids, positions, attn):
+    def both(model, ids, positions, attn, lora=None):
         native, model.native_layers = model.native_layers, None
         compiled, model.run_layers = model.run_layers, llama_module._run_layers  # eager: quantizers recorded
         quantized.clear()
-        expected = forward(model, ids, positions, attn)
+        expected = forward(model, ids, positions, attn, lora)
         model.native_layers, model.run_layers = native, compiled
         loose = _one_step_rows(quantized, positions)
         ran.clear()
-        got = forward(model, ids, positions, attn)
+        got = forward(model, ids, positions, attn, lora)
         pairs.append(Pair(ids.shape[0], expected, got if ran else None, loose))
         return got
 
