@@ -24,6 +24,7 @@ Arithmetic is float32 (scores, softmax, accumulation); the reference implementat
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -37,6 +38,19 @@ def _interpreting() -> bool:
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+def _step_jit(*step_args: str):
+    """`triton.jit` for a kernel whose `step_args` (the step's index arrays and table widths, which change
+    from step to step) take no part in its specialization: Triton compiles a variant per integer that is 1
+    or a multiple of 16 and per pointer 16-byte aligned or not, so each new combination would compile in
+    the middle of a run. They are read as scalars: nothing is lost."""
+    def wrap(fn):
+        unknown = set(step_args) - set(inspect.signature(fn).parameters)
+        if unknown:
+            raise TypeError(f"{fn.__name__} has no parameters {sorted(unknown)}")
+        return triton.jit(fn, do_not_specialize=step_args, do_not_specialize_on_alignment=step_args)
+    return wrap
 
 
 NO_WINDOW = 2**31 - 1  # the kernels' window argument for full attention: every key is within it
@@ -69,7 +83,7 @@ def _store_partial(o_ptrs, lse_ptrs, acc, m, l, mask_q, mask_o):  # noqa: E741
     tl.store(lse_ptrs, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l))), mask=mask_q)
 
 
-@triton.jit
+@_step_jit("tables_ptr", "lens_ptr", "start_ptr", "stride_tb")
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, start_ptr, o_ptr, lse_ptr,
     scale, window,
@@ -115,7 +129,8 @@ def _decode_kernel(
     _store_partial(o_ptrs, lse_ptrs, acc, m, l, g_ok, g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@_step_jit("prefix_tables_ptr", "prefix_blocks_ptr", "rows_ptr", "tile_group_ptr", "tile_row_ptr", "tile_end_ptr",
+           "stride_pt")
 def _prefix_kernel(
     q_ptr, k_ptr, v_ptr, prefix_tables_ptr, prefix_blocks_ptr, rows_ptr, tile_group_ptr, tile_row_ptr,
     tile_end_ptr, o_ptr, lse_ptr,
@@ -165,7 +180,7 @@ def _prefix_kernel(
     _store_partial(o_ptrs, lse_ptr + rows * stride_lb + heads, acc, m, l, q_ok, q_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@_step_jit("num_parts")
 def _merge_kernel(
     o_ptr, lse_ptr, out_ptr, num_parts,
     stride_os, stride_ob, stride_oh, stride_ls, stride_lb, stride_outb, stride_outh,
@@ -189,7 +204,7 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_outb + h * stride_outh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@_step_jit("tables_ptr", "query_start_ptr", "lens_ptr", "tile_seq_ptr", "tile_row_ptr", "stride_tb")
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, lens_ptr, tile_seq_ptr, tile_row_ptr, o_ptr,
     scale, window,
@@ -257,12 +272,17 @@ def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
     return q.shape[-2] // hkv, block_size, dim
 
 
+# The split counts decode uses. Each is a compiled variant of the kernel (NUM_SPLITS is a constant), so
+# there are few of them, all compiled when the GPU runner starts.
+SPLIT_CHOICES = (1, 2, 4, 8, 16)
+
+
 def decode_splits(batch_rows: int, num_kv_heads: int, max_blocks: int, num_sms: int) -> int:
-    """How many programs share one sequence's blocks: enough that the grid covers the GPU twice over,
-    never more than the longest row has blocks (a split with nothing to read is wasted), at most 16."""
+    """How many programs share one sequence's blocks: the largest of SPLIT_CHOICES within what covers the GPU
+    twice over and within the longest row's blocks (a split with nothing to read is wasted)."""
     programs = max(1, batch_rows * num_kv_heads)
-    wanted = -(-2 * num_sms // programs)
-    return max(1, min(wanted, max_blocks, 16))
+    wanted = min(-(-2 * num_sms // programs), max_blocks)
+    return max(s for s in SPLIT_CHOICES if s <= max(1, wanted))
 
 
 def paged_decode_partial(

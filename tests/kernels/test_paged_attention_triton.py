@@ -10,6 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 import kernels.paged_attention as pa  # noqa: E402
 from kernels.paged_attention_reference import (  # noqa: E402
     attention_part,
@@ -233,9 +235,29 @@ def test_prefix_tiles_cover_each_group_in_order():
 
 def test_decode_splits_choice():
     assert pa.decode_splits(1, 8, 100, 132) == 16  # one long row: as many splits as allowed
-    assert pa.decode_splits(1, 8, 3, 132) == 3  # never more splits than blocks
+    assert pa.decode_splits(1, 8, 3, 132) == 2  # never more splits than blocks
     assert pa.decode_splits(256, 8, 100, 132) == 1  # a full batch fills the GPU alone
-    assert pa.decode_splits(8, 4, 64, 132) == 9  # ceil(2 * 132 / 32)
+    assert pa.decode_splits(8, 4, 64, 132) == 8  # ceil(2 * 132 / 32) = 9, rounded down to a compiled count
+    chosen = {pa.decode_splits(b, h, blocks, 132) for b in range(1, 300) for h in (1, 3, 8) for blocks in (1, 7, 64)}
+    assert chosen == set(pa.SPLIT_CHOICES)  # a few compiled variants serve every step
+
+
+def test_step_metadata_does_not_specialize_the_kernels(monkeypatch):
+    """The per-step index arrays and table widths (views at any offset of one upload, widths of any value)
+    must not pick a compiled variant, or a new step layout would compile mid-run: the kernels' decorator
+    turns Triton's specialization off for the arguments it names, and names only real parameters."""
+    import triton
+
+    def kernel(q_ptr, tables_ptr, stride_tb, BLOCK: tl.constexpr):
+        pass
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)  # the compiled path's JITFunction
+    compiled = pa._step_jit("tables_ptr", "stride_tb")(kernel)
+    flags = {p.name: (p.do_not_specialize, p.do_not_specialize_on_alignment) for p in compiled.params}
+    assert flags == {"q_ptr": (False, False), "tables_ptr": (True, True), "stride_tb": (True, True),
+                     "BLOCK": (False, False)}
+    with pytest.raises(TypeError, match="no parameters"):
+        pa._step_jit("table_ptr")(kernel)
 
 
 def test_rejects_block_sizes_the_kernels_cannot_tile():
