@@ -9,20 +9,22 @@
   device→host transfer is the sampler's `.tolist()` of the sampled ids.
 
 Decode-only steps (every row a one-token query that samples) replay a CUDA graph captured for the smallest
-bucket (1, 2, 4, ... max_batch_size) that holds the batch: its inputs live in one static device buffer per
-bucket, which the step's single copy fills; padding rows have no keys and write their K/V to a scratch block
-the cache manager never hands out.
+bucket (1, 2, 4, 8, 16, 24, ... max_batch_size: `graph_buckets`) that holds the batch: its inputs live in
+one static device buffer per bucket, which the step's single copy fills, and its block tables in one device
+tensor updated by row (`pipeline.engine.device_tables`); padding rows have no keys and write their K/V to a
+scratch block the cache manager never hands out.
 The tensor-parallel and CPU paths keep `pipeline.engine.runner.Runner`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kernels.argmax import row_argmax
 from kernels.paged_attention import (
+    SPLIT_CHOICES,
     decode_splits,
     merge_partials,
     paged_decode_partial,
@@ -33,6 +35,7 @@ from kernels.paged_attention import (
     prefix_rows_per_tile,
     prefix_tiles,
 )
+from pipeline.engine.device_tables import DeviceBlockTables
 from pipeline.engine.runner import StepBatch, copy_blocks, shared_prefixes
 from pipeline.model.llama import LlamaModel
 from pipeline.model.lora.delta import LoraStep
@@ -40,12 +43,11 @@ from pipeline.model.lora.peft_file import read_adapter
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
-    """Batch sizes a decode graph is captured for: powers of two below max_batch_size, then it."""
-    sizes, n = [], 1
-    while n < max_batch_size:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, max_batch_size]
+    """Batch sizes a decode graph is captured for: 1, 2, 4, then steps of 8 up to 64, of 16 up to 128 and
+    of 32 beyond, below max_batch_size, then it. A step pads at most 7, 15 or 31 rows (powers of two padded
+    up to half the batch: 129 rows ran as 256)."""
+    sizes = [1, 2, 4, *range(8, 65, 8), *range(80, 129, 16), *range(160, max(160, max_batch_size), 32)]
+    return [*(n for n in sizes if n < max_batch_size), max_batch_size]
 
 
 def graph_bucket(rows: int, buckets: list[int]) -> int | None:
@@ -78,7 +80,8 @@ def plan_step(batch: StepBatch, block_size: int, num_kv_heads: int, num_sms: int
               pad_to: int | None = None, table_width: int | None = None, scratch_slot: int = 0,
               window: int | None = None) -> StepPlan:
     """Lay out everything a step needs from the host batch. pad_to/table_width: a CUDA graph bucket's fixed
-    shapes (decode-only batches), padding rows pointing at `scratch_slot` with no keys. window: the model's
+    shapes (decode-only batches), padding rows pointing at `scratch_slot` with no keys; its block tables are
+    not in the plan (the runner keeps them on the device, `DeviceBlockTables`). window: the model's
     sliding window (no shared-prefix groups: rows of a group see different keys of the prefix)."""
     if batch.input_ids.device.type != "cpu":
         raise ValueError("plan_step takes the host batch from build_batch (CPU tensors)")
@@ -123,8 +126,8 @@ def plan_step(batch: StepBatch, block_size: int, num_kv_heads: int, num_sms: int
         fill = {"input_ids": 0, "positions": 0, "slots": scratch_slot, "context_lens": 0, "start_blocks": 0}
         for name, value in fill.items():
             seg[name] = torch.cat([seg[name], torch.full((pad,), value, dtype=torch.long)])
-        seg["block_tables"] = torch.cat([seg["block_tables"], torch.zeros(pad * width, dtype=torch.long)])
         seg["query_start"] = seg["logits_rows"] = seg["prefill_tiles"] = empty
+        seg["block_tables"] = empty  # the graphs read the tables kept on the device (`DeviceBlockTables`)
         max_blocks = width if window is None else min(width, -(-window // block_size) + 1)
         d = t = pad_to
     parts = [seg[name].to(torch.long) for name in SEGMENTS]
@@ -162,9 +165,10 @@ class StepViews:
     prefix_tables: torch.Tensor
 
     @classmethod
-    def of(cls, plan: StepPlan, device_flat: torch.Tensor) -> StepViews:
+    def of(cls, plan: StepPlan, device_flat: torch.Tensor, block_tables: torch.Tensor | None = None) -> StepViews:
+        """block_tables: a graph step's (its plan holds none)."""
         s = dict(zip(SEGMENTS, torch.split(device_flat, plan.sizes)))
-        s["block_tables"] = s["block_tables"].view(-1, plan.table_width)
+        s["block_tables"] = s["block_tables"].view(-1, plan.table_width) if block_tables is None else block_tables
         s["prefill_tiles"] = s["prefill_tiles"].view(2, -1)
         s["prefix_tiles"] = s["prefix_tiles"].view(3, -1)
         s["prefix_tables"] = s["prefix_tables"].view(-1, max(1, plan.prefix_width))
@@ -250,17 +254,21 @@ class GpuRunner:
         max_len = max_model_len or cfg.max_position_embeddings
         self.graph_table_width = min(num_blocks, -(-max_len // block_size))
         self.buckets = graph_buckets(max_batch_size)
+        self.tables = DeviceBlockTables(max_batch_size, self.graph_table_width, device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, StepPlan, torch.Tensor]] = {}
         self.replays = 0  # steps served by a graph (bench/gpu_check.py reports their share)
+        if is_cuda:
+            self.warm_up()
         if cuda_graphs and is_cuda:
             self._capture_all()
 
-    def upload(self, plan: StepPlan, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's one host→device copy (pinned, non_blocking on CUDA)."""
-        host = plan.flat.pin_memory() if self.device.type == "cuda" else plan.flat
+    def upload(self, flat: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's one host→device copy (pinned, non_blocking on CUDA); `into`: a graph's static buffer,
+        of which it fills the first flat.numel() elements."""
+        host = flat.pin_memory() if self.device.type == "cuda" else flat
         if into is None:
             return host.to(self.device, non_blocking=True)
-        return into.copy_(host, non_blocking=True)
+        return into[: flat.numel()].copy_(host, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
@@ -269,17 +277,21 @@ class GpuRunner:
         lora = self.model.lora_step(batch.lora_slots)  # a step with LoRA deltas runs eagerly, not from a graph
         graph = self._graphs and self._graph_step(batch) and lora is None
         bucket = graph_bucket(d, self.buckets) if graph else None
-        if bucket is not None and batch.block_tables.shape[1] <= self.graph_table_width:
+        width = batch.block_tables.shape[1]
+        if bucket is not None and width <= self.graph_table_width:
             graph, static, _, logits = self._graphs[bucket]
             plan = self._plan(batch, bucket)
             self.attn.copy_blocks(plan.copies)
-            self.upload(plan, into=static)
+            fixed = plan.flat.numel()
+            update = self.tables.changes(batch.block_tables)
+            self.upload(torch.cat([plan.flat, update]), into=static)
+            self.tables.apply(static[fixed : fixed + update.numel()], width)
             graph.replay()
             self.replays += 1
             return logits[:d]
         plan = self._plan(batch)
         self.attn.copy_blocks(plan.copies)
-        return self.run(plan, self.upload(plan), lora)
+        return self.run(plan, self.upload(plan.flat), lora)
 
     @staticmethod
     def _graph_step(batch: StepBatch) -> bool:
@@ -299,7 +311,7 @@ class GpuRunner:
         (steps with embedding rows: the engine applies the head to the rows that want logits)."""
         plan = self._plan(batch)
         self.attn.copy_blocks(plan.copies)
-        step = StepViews.of(plan, self.upload(plan))
+        step = StepViews.of(plan, self.upload(plan.flat))
         self.attn.step = step
         return self.model(step.input_ids, step.positions, self.attn).index_select(0, step.logits_rows)
 
@@ -312,9 +324,10 @@ class GpuRunner:
         """Place the LoRA adapter at `path` in `slot` of the model's `slots` resident adapters."""
         self.model.enable_lora(slots).load(slot, read_adapter(path, self.model.config))
 
-    def run(self, plan: StepPlan, device_flat: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+    def run(self, plan: StepPlan, device_flat: torch.Tensor, lora: LoraStep | None = None,
+            block_tables: torch.Tensor | None = None) -> torch.Tensor:
         """The device part of a step (no host reads): model, then the logits of the sampling rows."""
-        step = StepViews.of(plan, device_flat)
+        step = StepViews.of(plan, device_flat, block_tables)
         self.attn.step = step
         hidden = self.model(step.input_ids, step.positions, self.attn, lora)
         if plan.graph:  # every row samples
@@ -322,13 +335,28 @@ class GpuRunner:
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
 
     def graph_inputs(self, bucket: int) -> tuple[StepPlan, torch.Tensor]:
-        """A bucket's plan (every row padding) and its static device buffer, which replays refill."""
+        """A bucket's plan (every row padding) and its static device buffer, which each step refills: the
+        plan's segments, then room for the step's block-table update (`DeviceBlockTables.changes`)."""
         nothing = torch.zeros(0, dtype=torch.long)
         empty = StepBatch(input_ids=nothing, positions=nothing, slot_mapping=nothing,
                           query_start=torch.zeros(1, dtype=torch.long), context_lens=nothing,
                           block_tables=torch.zeros(0, 1, dtype=torch.long), num_decodes=0, logits_rows=nothing)
         plan = self._plan(empty, bucket)
-        return plan, self.upload(plan)
+        static = torch.zeros(plan.flat.numel() + bucket * (1 + self.graph_table_width), dtype=torch.long,
+                             device=self.device)
+        self.upload(plan.flat, into=static)
+        return plan, static
+
+    def graph_body(self, plan: StepPlan, static: torch.Tensor) -> torch.Tensor:
+        """What a bucket's graph runs: the step on its static buffer and the device block tables."""
+        return self.run(plan, static[: plan.flat.numel()], block_tables=self.tables.device_tables[: plan.num_decodes])
+
+    def warm_up(self) -> None:
+        """Compile the decode kernel for every split count it may use (SPLIT_CHOICES) before any step is timed
+        or captured: a step of one padding row (no keys, scratch slot) per count."""
+        plan, static = self.graph_inputs(1)
+        for splits in SPLIT_CHOICES:
+            self.graph_body(replace(plan, num_splits=splits), static)
 
     def _capture_all(self) -> None:
         """Capture one decode graph per bucket, largest first, sharing one memory pool."""
@@ -339,11 +367,11 @@ class GpuRunner:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile and autotune outside the capture
-                    self.run(plan, static)
+                    self.graph_body(plan, static)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.run(plan, static)
+                logits = self.graph_body(plan, static)
             pool = graph.pool()
             self._graphs[bucket] = (graph, static, plan, logits)
         torch.cuda.synchronize(self.device)

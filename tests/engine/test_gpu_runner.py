@@ -17,6 +17,7 @@ import kernels.paged_attention as pa  # noqa: E402
 from pipeline.config import resolve_dtype  # noqa: E402
 from pipeline.engine import gpu_runner, runner  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
+from pipeline.engine.device_tables import DeviceBlockTables  # noqa: E402
 from pipeline.engine.engine import Engine  # noqa: E402
 from pipeline.engine.gpu_runner import GpuRunner, graph_bucket, graph_buckets, plan_step  # noqa: E402
 from pipeline.engine.memory import kv_cache_budget  # noqa: E402
@@ -45,11 +46,18 @@ def interpreted_runner(num_sms: int):
 
 
 def test_graph_buckets_and_choice():
-    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
-    assert graph_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
-    assert graph_buckets(1) == [1]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_buckets(44) == [1, 2, 4, 8, 16, 24, 32, 40, 44]
+    assert graph_buckets(1) == [1] and graph_buckets(3) == [1, 2, 3]
+    assert graph_buckets(256)[10:] == [64, 80, 96, 112, 128, 160, 192, 224, 256]
+    assert graph_buckets(300)[-3:] == [256, 288, 300]
+    for size in (1, 7, 64, 100, 256, 1000):  # every batch pads by less than a step of 8 / 16 / 32 rows
+        buckets = graph_buckets(size)
+        for rows in range(1, size + 1):
+            padded = graph_bucket(rows, buckets)
+            assert rows <= padded < rows + (8 if rows <= 64 else 16 if rows <= 128 else 32)
     buckets = graph_buckets(48)
-    assert [graph_bucket(n, buckets) for n in (1, 2, 3, 5, 16, 17, 33, 48)] == [1, 2, 4, 8, 16, 32, 48, 48]
+    assert [graph_bucket(n, buckets) for n in (1, 2, 3, 5, 16, 17, 33, 48)] == [1, 2, 4, 8, 16, 24, 40, 48]
     assert graph_bucket(49, buckets) is None  # larger than max_batch_size: eager
 
 
@@ -99,13 +107,13 @@ class EagerGraph:
     writes the static logits, as a real replay does."""
 
     def __init__(self, runner_: GpuRunner, bucket: int):
-        self.run = runner_.run
+        self.body = runner_.graph_body
         self.plan, self.static = runner_.graph_inputs(bucket)
-        self.logits = self.run(self.plan, self.static)
+        self.logits = self.body(self.plan, self.static)
         self.replays = 0
 
     def replay(self) -> None:
-        self.logits.copy_(self.run(self.plan, self.static))
+        self.logits.copy_(self.body(self.plan, self.static))
         self.replays += 1
 
 
@@ -123,16 +131,33 @@ def emulated_graphs(graphs: dict[int, EagerGraph], max_batch_size: int):
 
 def test_engine_with_graph_replay_matches_reference(tiny):
     """Decode steps replayed from (emulated) graphs, beside one-token prefill chunks (a token budget below
-    the batch size): the greedy tokens equal the reference."""
+    the batch size), with sequences growing past block boundaries and finishing at different steps (rows
+    move): the greedy tokens equal the reference, and the device block tables hold what was sent."""
     graphs: dict[int, EagerGraph] = {}
-    prompts = random_prompts(6, 3, 9, seed=12)
-    sp = SamplingParams(max_tokens=5)
+    prompts = random_prompts(6, 10, 28, seed=12)
     engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB", block_size=BLOCK, max_batched_tokens=4,
                                        max_batch_size=8), make_runner=emulated_graphs(graphs, 8))
-    results = {r.id: r.token_ids for r in engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])}
+    requests = [Request(i, p, SamplingParams(max_tokens=4 + 2 * i)) for i, p in enumerate(prompts)]
+    results = {r.id: r.token_ids for r in engine.generate(requests)}
     for i, p in enumerate(prompts):
-        assert results[i] == greedy(tiny.model, p, 5, stop_token_ids=[EOS]), i
+        assert results[i] == greedy(tiny.model, p, 4 + 2 * i, stop_token_ids=[EOS]), i
     assert sum(g.replays for g in graphs.values()) > 0, "no step replayed a graph"
+    assert torch.equal(engine.runner.tables.device_tables, engine.runner.tables.sent)
+
+
+def test_warm_up_runs_every_split_count(tiny, monkeypatch):
+    """Start-up runs the decode kernel once per split count it may choose, so that none compiles later
+    (in a timed step, or never inside a graph capture)."""
+    seen = set()
+    real = gpu_runner.paged_decode_partial
+
+    def spy(q, k_pool, v_pool, tables, lens, start, o_parts, *args):
+        seen.add(o_parts.shape[0])
+        return real(q, k_pool, v_pool, tables, lens, start, o_parts, *args)
+
+    monkeypatch.setattr(gpu_runner, "paged_decode_partial", spy)
+    GpuRunner(tiny.model, 8, BLOCK, torch.device("cpu"), cuda_graphs=False).warm_up()
+    assert seen == set(pa.SPLIT_CHOICES)
 
 
 def one_token_rows(contexts: list[int], logits_rows: list[int]) -> runner.StepBatch:
@@ -252,7 +277,24 @@ def test_graph_plan_has_fixed_shapes_and_padding_without_keys(tiny):
     seg = dict(zip(gpu_runner.SEGMENTS, torch.split(plan.flat, plan.sizes)))
     assert seg["slots"][3] == scratch and seg["context_lens"][3] == 0
     assert torch.equal(seg["slots"][:3], batch.slot_mapping)
-    assert torch.equal(seg["block_tables"].view(4, 8)[:3, : batch.block_tables.shape[1]], batch.block_tables)
+    assert seg["block_tables"].numel() == 0  # kept on the device (DeviceBlockTables)
+
+
+def test_device_tables_send_only_changed_rows():
+    tables = DeviceBlockTables(rows=4, width=6, device=torch.device("cpu"))
+    first = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]])
+    update = tables.changes(first)
+    assert update.tolist() == [0, 1, 2, 1, 2, 0, 3, 0, 0, 4, 5, 6]  # every row new: indices, then the rows
+    tables.apply(update, 3)
+    assert tables.changes(first).numel() == 0  # nothing changed: nothing sent
+    grown = torch.tensor([[1, 2, 0, 0], [3, 7, 0, 0], [4, 5, 6, 8]])  # rows 1 and 2 gained a block
+    update = tables.changes(grown)
+    assert update.tolist() == [1, 2, 3, 7, 0, 0, 4, 5, 6, 8]
+    tables.apply(update, 4)
+    moved = torch.tensor([[3, 7]])  # row 0 finished, row 1 moved up; a narrower step compares 2 columns
+    tables.apply(tables.changes(moved), 2)
+    assert tables.device_tables[:3, :4].tolist() == [[3, 7, 0, 0], [3, 7, 0, 0], [4, 5, 6, 8]]
+    assert torch.equal(tables.device_tables, tables.sent)
 
 
 def batch_of_nothing():
