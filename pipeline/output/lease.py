@@ -249,16 +249,17 @@ class Lease:
             raise
 
     def release(self) -> None:
-        """Stop the heartbeat; unless the lease was lost, end the fence epoch and delete the lease file."""
+        """Stop the heartbeat, end the fence epoch unless the lease was lost, and delete the lease file if it
+        is still ours (a heartbeat write that a freeze cut short may have put it back after a takeover)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self.lost is None:
             self.fence.close()
-            rec = self._read(self.path)
-            if rec is not None and rec.token == self.token:
-                self.fs.rm(self.path)
+        rec = self._read(self.path)
+        if rec is not None and rec.token == self.token:
+            self.fs.rm(self.path)
 
     def __enter__(self) -> Lease:
         return self.acquire()
