@@ -23,9 +23,10 @@ from pipeline.engine.request import Request, Result
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
 from pipeline.output.commit import UnitWriter
+from pipeline.output.formats import make_sink
 from pipeline.output.run_state import RunState
 from pipeline.output.signals import GracefulStop, Interrupted
-from pipeline.output.sink import ParquetSink, metrics_name, report_dir_name, result_schema
+from pipeline.output.sink import Sink, metrics_name, report_dir_name, result_schema
 from pipeline.perf.progress import make_progress, prefill_efficiency, summary
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
@@ -37,7 +38,6 @@ from pipeline.source.formats import Builder, Source, open_source, prompt_builder
 if TYPE_CHECKING:
     from pipeline.engine.batch_tuning import BatchChoice
     from pipeline.engine.engine import Engine
-    from pipeline.model.cpu_kernels import CpuKernels
     from pipeline.model.llama import LlamaModel
     from pipeline.model.loader import LoadedModel
     from pipeline.model.quant_choice import QuantChoice
@@ -267,9 +267,9 @@ class _Run:
                 continue
             where = f"row {row_index} of {file.name}" + (f" (id {row_id!r})" if self.id_column else "")
             self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n, where)
-            self.bound.add(unit.window, prepared.token_ids)
+            self.bound.add(unit.window, prepared.token_ids, prepared.adapter)
             fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
-            yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id))
+            yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id), adapter=prepared.adapter)
             seq += 1
 
     def _reject(self, base: dict[str, Any], unit: Unit, position: int, error: str, prompt_tokens: int) -> None:
@@ -319,11 +319,11 @@ class _Input:
 
 @dataclass(frozen=True)
 class _Output:
-    """This shard's output: its run state (lease, units to do) and Parquet sink."""
+    """This shard's output: its run state (lease, units to do) and sink."""
 
     stop: GracefulStop
     run_state: RunState
-    sink: ParquetSink
+    sink: Sink
     status: str  # `RunState.start`'s: "run", else why there is nothing to do
     fingerprint: str  # the manifest's digest
 
@@ -453,6 +453,9 @@ def _metrics(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, state: _R
         "steps": stats.steps,
         "preemptions": stats.preemptions,
         "evictions": stats.evictions,
+        "lora": None if model.engine.adapters is None else {
+            "adapters": stats.adapters, "loads": model.engine.adapters.loads,
+            "evictions": model.engine.adapters.evictions},
         "speculative": {"method": cfg.speculative.method, "proposed": stats.spec_proposed,
                         "accepted": stats.spec_accepted, "acceptance_rate": stats.spec_acceptance_rate,
                         "mean_accepted": stats.spec_mean_accepted, "forwards_saved": stats.spec_accepted,
@@ -481,7 +484,6 @@ def _model_metrics(cfg: JobConfig, inp: _Input, model: _Model) -> dict[str, Any]
     """`_metrics.json`'s model: what was loaded, as what model.quant resolved to, and what its kernels ran."""
     loaded, options = model.loaded, model.options
     kernels = _KernelReport.of(loaded.model)  # the run's step counts
-    cpu = _cpu_kernels(loaded.model)
     return {"name": inp.model_name, "path": inp.model_path, "loaded_name": loaded.name,
             "dtype": cfg.model_dtype, "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
             "quant_lm_head": options["quant_lm_head"],
@@ -492,7 +494,6 @@ def _model_metrics(cfg: JobConfig, inp: _Input, model: _Model) -> dict[str, Any]
             "int8_weight_bound": kernels.weight_bound,
             "native_layer_steps": kernels.native_layer_steps,
             "compiled_layers": kernels.compiled,
-            "cpu_kernels": None if cpu is None else cpu.as_dict(),
             "startup_cache": None if model.cache is None else model.cache.as_dict()}
 
 
@@ -558,7 +559,7 @@ def _open_output(cfg: JobConfig, inp: _Input, resources: contextlib.ExitStack) -
     fingerprint = run_state.manifest["digest"]
     metadata = {"pipeline.model": inp.model_name, "pipeline.model_path": cfg.model.path or model_path,
                 "pipeline.config_fingerprint": fingerprint, "pipeline.version": __version__}
-    sink = ParquetSink(cfg.output.path, inp.schema, metadata, cfg.output.compression)
+    sink = make_sink(cfg, inp.schema, metadata)
     status = run_state.start(cfg.output.mode)
     resources.callback(run_state.close)  # releases the lease, also on errors and interruptions
     return _Output(stop, run_state, sink, status, fingerprint)
@@ -612,7 +613,7 @@ def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], 
     _pin_vector_isa(cfg, loaded.model, cache)
     try:
         engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
-                        _draft_model(cfg, model_path, loaded))
+                        _draft_model(cfg, model_path, loaded), cfg.lora)
     except ValueError as e:
         raise JobError(str(e)) from None
     check_room(cfg, types, engine.max_model_len)  # the KV cache may hold fewer positions than the model has
@@ -642,18 +643,11 @@ def _log_loaded(model: _Model, seconds: float) -> None:
     """What was loaded, in `seconds` since the job started, and which kernels it runs."""
     loaded = model.loaded
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, seconds, loaded.weight_bytes)
-    kernels = _cpu_kernels(loaded.model)
-    if kernels is not None:
-        log.info("CPU kernels: %s", kernels.line())
+    kernels = _KernelReport.of(loaded.model)
+    for part, gemm in kernels.int8_gemm.items():
+        log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, kernels.weight_bound)
     cache = model.cache
     if cache is not None:
         log.info("startup cache %s: %d entries read, %d built", cache.root, cache.read, cache.built)
-
-
-def _cpu_kernels(model: LlamaModel) -> CpuKernels | None:
-    """Which CPU kernels the model runs (`pipeline.model.cpu_kernels`); None on a GPU."""
-    if model.norm.weight.device.type != "cpu":
-        return None
-    from pipeline.model.cpu_kernels import CpuFeatures, cpu_kernels
-
-    return cpu_kernels(model, CpuFeatures.here())
+    if loaded.model.native_layers is not None:
+        log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE without decode: torch ops)")

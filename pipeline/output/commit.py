@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.output.ledger import part_name
 from pipeline.output.run_state import RunState
-from pipeline.output.sink import ParquetSink
+from pipeline.output.sink import Sink
 from pipeline.plan.digests import WindowDigests
 from pipeline.plan.rows import UnitRows
 from pipeline.plan.units import Unit
@@ -29,7 +28,7 @@ class UnitWriter:
     (`RunState.retry`) starts with the other rows of its part, as they are.
     """
 
-    def __init__(self, state: RunState, sink: ParquetSink, samples: int) -> None:
+    def __init__(self, state: RunState, sink: Sink, samples: int) -> None:
         self.state = state
         self.sink = sink
         self.samples = samples
@@ -52,9 +51,9 @@ class UnitWriter:
         slot = _Open(unit, unit.num_rows * self.samples)
         redo = self.state.retry.get(unit.index)
         if redo is not None:  # keep the rows that did not fail, read from the part again
-            table, _ = self.state.ledger.read_part(part_name(unit.id))
+            rows = self.state.ledger.part_rows(self.sink.part_name(unit.id))
             positions = set(redo)
-            slot.rows = [(j // self.samples, row.get("sample_index", 0), row) for j, row in enumerate(table.to_pylist())
+            slot.rows = [(j // self.samples, row.get("sample_index", 0), row) for j, row in enumerate(rows)
                          if j // self.samples not in positions]
         return slot
 
@@ -65,7 +64,7 @@ class UnitWriter:
         rows = [r for _, _, r in slot.rows]
         with self.state.stop.critical(), self.state.lease.commit(f"unit {slot.unit.id}") as put:
             part = self.sink.write_rows(slot.unit.id, rows, self.rows.rows.pop(slot.unit.index), put)
-            self.state.ledger.commit(slot.unit.id, part.name, part.bytes, [r["id"] for r in rows],
-                                     self.digests.done[slot.unit.window], put)
+            self.state.ledger.commit(slot.unit.id, part.name, part.bytes, part.ids,
+                                     self.digests.done[slot.unit.window], put, part.input_rows)
         self.committed_units += 1
         self.rows_written += part.rows

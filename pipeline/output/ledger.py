@@ -3,8 +3,9 @@
 Why: a batch job on preemptible machines dies at arbitrary instants. The protocol makes each unit's
 output appear atomically and records it only afterwards:
 
-1. the unit's Parquet part is written whole under its final name by the sink through `write_whole` (local
-   disk: temp file + fsync + rename; object store: one PUT of the final key, visible all at once);
+1. the unit's part (Parquet or JSON Lines) is written whole under its final name by the sink through
+   `write_whole` (local disk: temp file + fsync + rename; object store: one PUT of the final key, visible
+   all at once);
 2. then the ledger record `_progress/<unit>.json` (row count, checksum of the ids, part name and size, and
    the digests of the input rows the unit was planned from: pipeline/plan/digests.py) is written the same
    way. **The record is the commit point.**
@@ -34,11 +35,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import JobError
 from pipeline.faults import fault_point
+from pipeline.output import jsonl_rows
 
 if TYPE_CHECKING:
     from pipeline.output.fence import Put
 
 PART_PREFIX = "part-"
+PART_SUFFIXES = (".parquet", ".jsonl")  # Parquet parts; JSON Lines parts (output.format=jsonl, openai_batch)
 _TEMP_NAME = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # `write_whole`'s temp files
 PROGRESS_DIR = "_progress"
 SUCCESS_FILE = "_SUCCESS"
@@ -47,8 +50,8 @@ SUCCESS_FILE = "_SUCCESS"
 INPUT_ROWS_KEY = "pipeline.input_rows"
 
 
-def part_name(unit_id: str) -> str:
-    return f"{PART_PREFIX}{unit_id}.parquet"
+def part_name(unit_id: str, suffix: str = ".parquet") -> str:
+    return f"{PART_PREFIX}{unit_id}{suffix}"
 
 
 def ids_checksum(ids: Iterable[Any]) -> str:
@@ -69,13 +72,15 @@ class CommitRecord:
     committed_at: float = field(default=0.0, compare=False)
     # input file name -> sha256 of its rows in the unit's window; None in records written before row digests
     input_sha256: dict[str, str] | None = None
+    # the part's input rows (`INPUT_ROWS_KEY`) where the part cannot hold them itself (JSON Lines); else None
+    input_rows: list[int] | None = None
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
         try:
             raw = json.loads(data)
             return cls(**{k: raw[k] for k in ("unit", "part", "rows", "ids_sha256", "bytes", "committed_at")},
-                       input_sha256=raw.get("input_sha256"))
+                       input_sha256=raw.get("input_sha256"), input_rows=raw.get("input_rows"))
         except (ValueError, KeyError, TypeError) as e:
             raise LedgerError(f"unreadable ledger record {where}: {e}") from None
 
@@ -144,7 +149,8 @@ class Ledger:
         return self.path(PROGRESS_DIR, f"{unit_id}.json")
 
     def commit(self, unit_id: str, part: str, nbytes: int, ids: Sequence[Any],
-               input_sha256: dict[str, str] | None = None, put: Put | None = None) -> CommitRecord:
+               input_sha256: dict[str, str] | None = None, put: Put | None = None,
+               input_rows: list[int] | None = None) -> CommitRecord:
         """Record a part that was just written whole (`write_whole`): this record is the commit point.
 
         `ids` are the part's id column, one per row; `input_sha256` the digests of the unit's window
@@ -152,7 +158,8 @@ class Ledger:
         `write_whole` without one). Re-committing a unit overwrites its record.
         """
         record = CommitRecord(unit=unit_id, part=part, rows=len(ids), ids_sha256=ids_checksum(ids),
-                              bytes=nbytes, committed_at=time.time(), input_sha256=input_sha256)
+                              bytes=nbytes, committed_at=time.time(), input_sha256=input_sha256,
+                              input_rows=input_rows)
         data = json.dumps(asdict(record)).encode()
         if put is None:
             write_whole(self.fs, self.record_path(unit_id), data, "ledger")
@@ -216,6 +223,22 @@ class Ledger:
         rows = (table.schema.metadata or {}).get(INPUT_ROWS_KEY.encode())
         return table, None if rows is None else json.loads(rows)
 
+    def part_rows(self, part: str, columns: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """A part's records (only `columns`), Parquet or JSON Lines."""
+        if part.endswith(".parquet"):
+            return self.read_part(part, columns)[0].to_pylist()
+        try:
+            return jsonl_rows.decode(self.fs.cat_file(self.path(part)), columns)
+        except (ValueError, OSError) as e:
+            raise LedgerError(f"part {part} is unreadable: {e} (delete it to have its unit redone)") from None
+
+    def part_input_rows(self, record: CommitRecord) -> list[int] | None:
+        """The input rows a committed part holds: its record's, else its Parquet footer's (None for a part
+        written before parts recorded them)."""
+        if record.input_rows is not None or not record.part.endswith(".parquet"):
+            return record.input_rows
+        return self.read_part(record.part, [])[1]
+
     def withdraw_success(self) -> None:
         if self.is_complete():
             self.fs.rm(self.path(SUCCESS_FILE))
@@ -241,7 +264,9 @@ class Ledger:
         or, with `everything` (the caller holds the whole output), every temp file `write_whole` left."""
         if not isinstance(self.fs, LocalFileSystem):
             return  # object stores never hold partial objects under any name
-        wanted = {f".{part_name(u)}.tmp-" for u in unit_ids} | {f".{u}.json.tmp-" for u in unit_ids}
+        unit_ids = list(unit_ids)
+        wanted = {f".{part_name(u, s)}.tmp-" for u in unit_ids for s in PART_SUFFIXES}
+        wanted |= {f".{u}.json.tmp-" for u in unit_ids}
         for directory in (self.root, self.path(PROGRESS_DIR)):
             if not os.path.isdir(directory):
                 continue
@@ -253,8 +278,8 @@ class Ledger:
     def verify(self, expected: Mapping[str, int] | None = None, id_column: str = "id") -> VerifyReport:
         """Re-read every committed part and check it against its record.
 
-        `expected` (unit id -> output rows) also checks that every planned unit is committed with that many
-        rows and that the ledger holds nothing else.
+        `expected` (unit id -> records: output rows, or response lines) also checks that every planned unit
+        is committed with that many and that the ledger holds nothing else; `id_column`: the records' id key.
         """
         report = VerifyReport()
         records, unreadable = self.records()
@@ -269,7 +294,7 @@ class Ledger:
                 report.errors.append(f"unit {unit}: part {rec.part} has {size} bytes, ledger says {rec.bytes}")
                 continue
             try:
-                ids = self.read_part(rec.part, [id_column])[0].column(id_column).to_pylist()
+                ids = [r[id_column] for r in self.part_rows(rec.part, [id_column])]
             except LedgerError as e:
                 report.errors.append(f"unit {unit}: {e}")
                 continue

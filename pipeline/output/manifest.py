@@ -28,6 +28,7 @@ from pipeline.errors import JobError
 from pipeline.faults import fault_point
 from pipeline.output.lease import LEASE_DIR
 from pipeline.output.ledger import (
+    PART_SUFFIXES,
     PROGRESS_DIR,
     SUCCESS_FILE,
     CommitRecord,
@@ -132,7 +133,7 @@ def job_files(fs: fsspec.AbstractFileSystem, root: str, stored: Mapping[str, Any
     records, and the temp files of interrupted writes of those. Never a name the job could not have made.
     """
     plan = plan_of(stored)
-    parts = {part_name(u.id) for u in plan.units()} if plan is not None else set()
+    parts = {part_name(u.id, s) for u in plan.units() for s in PART_SUFFIXES} if plan is not None else set()
     parts |= _recorded_parts(fs, root)
 
     def made(name: str) -> bool:

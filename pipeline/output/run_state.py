@@ -129,9 +129,10 @@ class RunState:
         A part written before parts recorded their input rows cannot say which input rows failed: it stays."""
         found = 0
         for unit, rec in committed.items():
-            table, input_rows = self.ledger.read_part(rec.part, ["error"])
-            samples = table.num_rows // unit.num_rows
-            failed = sorted({j // samples for j, e in enumerate(table.column("error").to_pylist()) if e is not None})
+            errors = [r["error"] for r in self.ledger.part_rows(rec.part, ["error"])]
+            input_rows = self.ledger.part_input_rows(rec)
+            samples = len(errors) // unit.num_rows
+            failed = sorted({j // samples for j, e in enumerate(errors) if e is not None})
             found += len(failed)
             if failed and input_rows is None:
                 log.warning("unit %s: its %d error rows are not retried: part %s was written before parts "
@@ -151,7 +152,7 @@ class RunState:
         for window in {u.window for u in self.todo if u.index not in self.retry}:
             for unit in self.plan.window_units(window):
                 if unit.id in committed and unit.index not in self.fixed:
-                    rows = self.ledger.read_part(committed[unit.id].part, [])[1]
+                    rows = self.ledger.part_input_rows(committed[unit.id])
                     if rows is not None:
                         self.fixed[unit.index] = rows
 

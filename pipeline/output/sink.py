@@ -1,8 +1,9 @@
-"""Write results as a Parquet dataset (zstd part files) under one output directory, through fsspec.
+"""Write results as part files under one output directory, through fsspec: a Parquet dataset (zstd part
+files) here, JSON Lines parts in pipeline/output/jsonl_sink.py.
 
-Result rows reach the output only through `ParquetSink.write_part(unit_id, table, input_rows, put)`
-(`write_rows` wraps it): each call writes one whole part file, which records the input rows it holds, and
-returns what it wrote. A job's `UnitWriter` (pipeline/output/commit.py) passes its fenced commit's `put`
+Result rows reach the output only through a sink's `write_rows(unit_id, rows, input_rows, put)`: each call
+writes one whole part file, which records the input rows it holds (or hands them back for the ledger
+record), and returns what it wrote. A job's `UnitWriter` (pipeline/output/commit.py) passes its fenced commit's `put`
 (pipeline/output/fence.py) and adds the ledger record after the part (the commit point); without one the part
 is written at once (`ledger.write_whole`: local temp file + fsync + rename; object stores: one PUT of the
 final key). Resume and shards choose the unit ids (see pipeline/output/run_state.py). `finish` writes the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,34 +78,32 @@ class PartInfo:
 
     unit_id: str
     name: str  # file name under the output directory
-    rows: int
+    rows: int  # records: output rows, or response lines (output.format=openai_batch)
     bytes: int
+    ids: list[Any]  # each record's id as a reader of the part gets it back (the ledger's checksum)
+    input_rows: list[int] | None = None  # of a part that cannot hold them itself: its ledger record does
 
 
-class ParquetSink:
-    """The output directory of one job: part files with the job's schema and key-value metadata."""
+class Sink(ABC):
+    """The output directory of one job: its part files, in one format (pipeline/output/formats.py), and its
+    metrics."""
 
-    def __init__(self, path: str, schema: pa.Schema, metadata: Mapping[str, str], compression: str = "zstd",
-                 storage_options: dict | None = None) -> None:
+    suffix = ".parquet"
+    id_key = "id"  # the key of a record's id in a part
+    merges_samples = False  # one record per input row, its samples together, instead of one per sample
+
+    def __init__(self, path: str, storage_options: dict | None = None) -> None:
         self.fs, self.root = url_to_fs(path, **(storage_options or {}))
-        self.schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
-        self.compression = compression
 
-    def write_part(self, unit_id: str, table: pa.Table, input_rows: list[int], put: Put | None = None) -> PartInfo:
-        """Write `table` (cast to the output schema) whole as this unit's part file; `input_rows`: the input
-        row of each of its input rows (`INPUT_ROWS_KEY`); `put`: what writes it (`write_whole` without one)."""
-        table = table.cast(self.schema)
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), INPUT_ROWS_KEY: json.dumps(input_rows)})
-        buf = pa.BufferOutputStream()
-        pq.write_table(table, buf, compression=self.compression)
-        data = buf.getvalue().to_pybytes()
-        name = part_name(unit_id)
-        self._put(name, data, "part", put)
-        return PartInfo(unit_id, name, table.num_rows, len(data))
+    def part_name(self, unit_id: str) -> str:
+        return part_name(unit_id, self.suffix)
 
+    @abstractmethod
     def write_rows(self, unit_id: str, rows: list[dict[str, Any]], input_rows: list[int],
                    put: Put | None = None) -> PartInfo:
-        return self.write_part(unit_id, pa.Table.from_pylist(rows, schema=self.schema), input_rows, put)
+        """Write a unit's output rows (in part order: input row, then sample) whole as its part file;
+        `input_rows`: the input row of each of its input rows; `put`: what writes it (`write_whole` without
+        one)."""
 
     def finish(self, metrics: Mapping[str, Any], name: str = METRICS_FILE) -> None:
         """Write the run's metrics (`_SUCCESS` is the ledger's: only when every unit is committed)."""
@@ -121,3 +121,29 @@ class ParquetSink:
             write_whole(self.fs, path, data, point)  # JobError naming the file
         else:
             put(path, data, point)
+
+
+class ParquetSink(Sink):
+    """Parquet part files with the job's schema and key-value metadata (`INPUT_ROWS_KEY`: their input rows)."""
+
+    def __init__(self, path: str, schema: pa.Schema, metadata: Mapping[str, str], compression: str = "zstd",
+                 storage_options: dict | None = None) -> None:
+        super().__init__(path, storage_options)
+        self.schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
+        self.compression = compression
+
+    def write_part(self, unit_id: str, table: pa.Table, input_rows: list[int], put: Put | None = None) -> PartInfo:
+        """Write `table` (cast to the output schema) whole as this unit's part file; `input_rows`: the input
+        row of each of its input rows (`INPUT_ROWS_KEY`); `put`: what writes it (`write_whole` without one)."""
+        table = table.cast(self.schema)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), INPUT_ROWS_KEY: json.dumps(input_rows)})
+        buf = pa.BufferOutputStream()
+        pq.write_table(table, buf, compression=self.compression)
+        data = buf.getvalue().to_pybytes()
+        name = self.part_name(unit_id)
+        self._put(name, data, "part", put)
+        return PartInfo(unit_id, name, table.num_rows, len(data), table.column("id").to_pylist())
+
+    def write_rows(self, unit_id: str, rows: list[dict[str, Any]], input_rows: list[int],
+                   put: Put | None = None) -> PartInfo:
+        return self.write_part(unit_id, pa.Table.from_pylist(rows, schema=self.schema), input_rows, put)

@@ -3,8 +3,10 @@
 Why: "every input row exactly once" should be checkable after the fact, without the model and without
 trusting the process that wrote it. The plan (input listing, window and part sizes) is rebuilt from
 `_job.json`, every committed part is re-read and compared with its ledger record (size, row count, ids
-checksum), and every planned unit must be committed with rows x `sampling.n` rows. The input must still
-have the footers the job read and, for units whose records hold row digests, the rows they were made from.
+checksum), and every planned unit must be committed with rows x `sampling.n` rows (rows, for Batch API
+output lines, which hold a request's samples together). The input must still have the content identities
+the job read (Parquet footers, JSON Lines files' hashes) and, for units whose records hold row digests, the
+rows they were made from.
 Exit status: 0 complete and consistent, 1 problems found (listed), 2 not a job output.
 """
 
@@ -18,12 +20,13 @@ import pyarrow as pa
 from fsspec.core import url_to_fs
 
 from pipeline.errors import JobError
+from pipeline.output.formats import SINKS
 from pipeline.output.ledger import Ledger, VerifyReport
 from pipeline.output.manifest import plan_of, read_manifest
 from pipeline.plan.digests import changed_units, describe_changed
 from pipeline.plan.units import WorkPlan
 from pipeline.source.columns import read_columns
-from pipeline.source.files import footer_digest, read_batches
+from pipeline.source.formats import content_digest, file_batches
 
 _BATCH_ROWS = 8192  # rows per batch read from an input file (any size gives the same row digests)
 
@@ -35,9 +38,10 @@ def verify_output(url: str) -> VerifyReport:
         raise FileNotFoundError(f"{url} has no _job.json: not the output of a job")
     fp = manifest["fingerprint"]
     plan = plan_of(manifest)
-    samples = fp["sampling"].get("n", 1)
+    sink = SINKS[fp.get("output", {}).get("format", "parquet")]
+    records = 1 if sink.merges_samples else fp["sampling"].get("n", 1)  # per input row
     ledger = Ledger(fs, root)
-    report = ledger.verify({u.id: u.num_rows * samples for u in plan.units()})
+    report = ledger.verify({u.id: u.num_rows * records for u in plan.units()}, sink.id_key)
     if check_inputs(manifest, report):
         check_input_rows(manifest, plan, ledger, report)
     if report.ok and not ledger.is_complete():
@@ -46,22 +50,23 @@ def verify_output(url: str) -> VerifyReport:
 
 
 def check_inputs(manifest: dict, report: VerifyReport) -> bool:
-    """Each input file must still have the content the job read (its footer digest). Returns whether every
-    input file could be read."""
+    """Each input file must still have the content the job read (its Parquet footer's digest, or a JSON Lines
+    file's hash). Returns whether every input file could be read."""
     urls = manifest.get("inputs", {})
+    fmt = manifest["fingerprint"]["input"].get("format", "parquet")
     readable = True
     for name, digest in sorted(manifest["fingerprint"].get("input_content", {}).items()):
         url = urls.get(name)
         try:
             fs, path = url_to_fs(url)
-            with fs.open(path, "rb") as f:
-                now = footer_digest(f)
-        except (OSError, ValueError, TypeError) as e:
+            now = content_digest(fmt, fs, path)
+        except Exception as e:  # a missing file, or any codec's own error type
             report.notes.append(f"input {name} not checked: cannot read {url}: {e}")
             readable = False
             continue
         if now != digest:
-            report.errors.append(f"input file {url} changed since the job read it (Parquet footer differs)")
+            report.errors.append(f"input file {url} changed since the job read it "
+                                 f"({'Parquet footer' if fmt == 'parquet' else 'content hash'} differs)")
     return readable
 
 
@@ -74,11 +79,12 @@ def check_input_rows(manifest: dict, plan: WorkPlan, ledger: Ledger, report: Ver
         return
     urls = manifest["inputs"]
     columns = read_columns(manifest["fingerprint"]["input"])
+    fmt = manifest["fingerprint"]["input"].get("format", "parquet")
 
     def batches() -> Iterator[tuple[str, pa.RecordBatch]]:
         for f in plan.files:
             fs, path = url_to_fs(urls[f.path])
-            yield from ((f.path, b) for b in read_batches(fs, path, columns, _BATCH_ROWS))
+            yield from ((f.path, b) for b in file_batches(fmt, fs, path, columns, _BATCH_ROWS))
 
     try:
         changed = changed_units(batches(), plan, recorded)
