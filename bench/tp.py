@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
 from pipeline.engine.engine import Engine  # noqa: E402
 from pipeline.engine.request import Request, SamplingParams  # noqa: E402
-from pipeline.parallel.group import TPGroup  # noqa: E402
+from pipeline.model.collectives import TPGroup  # noqa: E402
 from pipeline.parallel.pool import WorkerPool  # noqa: E402
 from pipeline.parallel.runner import open_model  # noqa: E402
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.argmax import row_argmax
+from pipeline.model.collectives import SINGLE, TPGroup
 from pipeline.model.lora.delta import add_lora
-from pipeline.parallel.group import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.attention import AttentionBackend, attend, bound_backend
+from pipeline.model.collectives import SINGLE, TPGroup
 from pipeline.model.config import ModelConfig
 from pipeline.model.layers import (
     LMHead,
@@ -33,7 +34,6 @@ from pipeline.model.layers import (
 from pipeline.model.lora.delta import LoraStep, bound_lora
 from pipeline.model.lora.table import LoraTable
 from pipeline.model.native_decode import NativeDecodeLayers, native_decode_layers
-from pipeline.parallel.group import SINGLE, TPGroup
 
 
 class Attention(nn.Module):

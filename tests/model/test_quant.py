@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from pipeline.model.collectives import TPGroup
 from pipeline.model.layers import ParallelLinear
 from pipeline.model.loader import load_model
 from pipeline.model.quant import (
@@ -18,7 +19,6 @@ from pipeline.model.quant import (
     quantize_model,
     quantize_tensor,
 )
-from pipeline.parallel.group import TPGroup
 from tests.reference import prompt_logits
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.model.collectives import TPGroup
 from pipeline.model.config import ModelConfig
 from pipeline.model.hf_file import config_from_hf
 from pipeline.model.llama import LlamaModel
-from pipeline.parallel.group import TPGroup
 from tests.reference import ContiguousKVCache
 
 

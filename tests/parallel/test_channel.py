@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.engine.runner import StepBatch
-from pipeline.parallel.group import SINGLE
+from pipeline.model.collectives import SINGLE
 from pipeline.parallel.pool import backend_for, threads_per_rank
 from pipeline.parallel.runner import pack_batch, unpack_batch
 from pipeline.parallel.torchrun import TorchrunEnv

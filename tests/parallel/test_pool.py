@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from pipeline.parallel.group import SINGLE
+from pipeline.model.collectives import SINGLE
 from pipeline.parallel.pool import WorkerFailed, WorkerPool
 from tests.parallel.helpers import TinyLlamaSpec
 

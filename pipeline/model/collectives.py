@@ -1,7 +1,7 @@
 """The collectives a tensor-parallel model calls: which rank this process is, all-reduce, all-gather.
 
-This is all the model knows of parallelism; starting processes and sending steps live beside it
-(`pool.py`, `torchrun.py`, `wire.py`).
+This is all the model knows of parallelism, so it lives with the model; starting processes and sending
+steps live above the engine, in `pipeline/parallel/`.
 """
 
 from __future__ import annotations
