@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.engine.config import EngineConfig, SpeculativeConfig
+from pipeline.engine.prefill import Embed
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
@@ -36,6 +37,8 @@ SAMPLING_COLUMNS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f
 # Read by default when present; the others (stop, choice, regex, ...) only when named in
 # input.sampling_columns, so a dataset's own `choice` or `stop` column is not taken as an override unasked.
 DEFAULT_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "seed")
+# generate: completions; score: log-probabilities of given completions; embed: pooled final hidden states
+TASKS = ("generate", "score", "embed")
 TRUNCATE_CHOICES = ("none", "left")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_MODES = ("resume", "overwrite", "overwrite_all", "fail_if_exists")
@@ -47,7 +50,7 @@ OUTPUT_FORMATS = ("auto", *INPUT_FORMATS)  # auto: the input's format
 RESULT_COLUMNS = (
     "id", "sample_index", "text", "token_ids", "logprobs", "logprob_tokens", "prompt_logprobs",
     "prompt_tokens", "cached_tokens", "completion_tokens",
-    "finish_reason", "error",
+    "finish_reason", "error", "scores", "best_candidate", "embedding",
 )
 
 
@@ -67,6 +70,7 @@ class InputConfig:
     passthrough_columns: list[str] = field(default_factory=list)
     sampling_columns: list[str] = field(default_factory=lambda: list(DEFAULT_SAMPLING_COLUMNS))
     truncate: str = "none"  # none: overlong prompt -> error row; left: keep the prompt's last tokens
+    candidates_column: str = "candidates"  # task=score: each row's candidate completions (string or list)
     batch_rows: int = 1024  # rows per Parquet record batch read (lines, for JSON Lines)
     # parquet | jsonl (one JSON object per line) | openai_batch (OpenAI Batch API request lines); JSON Lines
     # files may be gzip/zstd/bz2/xz compressed (docs/running.md, "Input and output formats")
@@ -185,6 +189,7 @@ def _mutable_mirror(cls: type, name: str) -> type:
 
 
 SamplingSection = _mutable_mirror(SamplingParams, "SamplingSection")
+EmbedSection = _mutable_mirror(Embed, "EmbedSection")
 
 
 @dataclass
@@ -197,6 +202,8 @@ class JobSchema:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    task: str = "generate"  # generate | score | embed
+    embed: EmbedSection = field(default_factory=EmbedSection)  # type: ignore[valid-type]
     hardware: Any = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # a conf/hardware/*.yaml profile, for the run report's roofline
 
@@ -220,6 +227,8 @@ class JobConfig:
     plan: PlanConfig
     resolved: dict  # the whole resolved config as plain data (recorded in _metrics.json)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    task: str = "generate"
+    embed: Embed = field(default_factory=Embed)
 
     @property
     def output_format(self) -> str:
@@ -252,6 +261,12 @@ class JobConfig:
         # The default formats are left out, so outputs written before the formats existed still resume.
         inp = {k: v for k, v in resolved["input"].items()
                if k not in ("path", "batch_rows") and (k, v) not in (("format", "parquet"), ("lora_column", None))}
+        # The default task is left out too, and candidates_column outside task=score.
+        task = {} if self.task == "generate" else {"task": self.task}
+        if self.task == "embed":
+            task["embed"] = resolved["embed"]
+        if self.task != "score":
+            inp.pop("candidates_column", None)
         output = {"token_ids": resolved["output"]["token_ids"]}
         if self.output_format != "parquet":
             output["format"] = self.output_format
@@ -272,6 +287,7 @@ class JobConfig:
             identity["path"] = model["path"]
         return {
             **speculative,
+            **task,
             "model": {**model, **identity},
             "sampling": resolved["sampling"],
             "input": inp,
@@ -412,6 +428,25 @@ def _check_lora(column: Any, lora: LoraSection) -> None:
         raise JobError(f"invalid config `model.lora.max_loaded`: {lora.max_loaded!r}; expected an integer >= 1")
 
 
+def _check_task(schema: JobSchema) -> None:
+    """`task`, and the keys that only task=generate can honour: score and embed write one row per input row,
+    computed in one pass over the prompt."""
+    task = schema.task
+    _choice("task", task, TASKS)
+    if task == "generate":
+        return
+    if schema.sampling.n != 1:
+        raise JobError(f"invalid config `sampling.n`: {schema.sampling.n}; task={task} writes one row per input row")
+    if schema.sampling.prompt_logprobs:
+        raise JobError("invalid config `sampling.prompt_logprobs`: it applies to task=generate"
+                       + ("; task=score writes its candidates' log-probabilities" if task == "score" else ""))
+    if task == "score" and not schema.input.candidates_column:
+        raise JobError("invalid config `input.candidates_column`: empty; task=score needs the candidates' column")
+    if task == "embed" and schema.engine.tensor_parallel > 1:
+        raise JobError(f"task=embed runs on one rank: engine.tensor_parallel={schema.engine.tensor_parallel} is not "
+                       "supported (the ranks' runners return logits, not the final hidden states)")
+
+
 # fsspec protocols whose files live only as long as the process that wrote them.
 EPHEMERAL_PROTOCOLS = ("memory",)
 
@@ -446,6 +481,9 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     if schema.output.retry_errors and resolve_output_format(schema.input, schema.output) == "openai_batch":
         raise JobError("invalid config `output.retry_errors`: openai_batch parts hold one response per request, "
                        "not the rows a retry keeps; write output.format=jsonl or parquet to retry error rows")
+    if schema.task == "score" and resolve_output_format(schema.input, schema.output) == "openai_batch":
+        raise JobError("invalid config `output.format`: openai_batch answers chat, completion and embedding "
+                       "requests; task=score writes parquet or jsonl")
     _choice("output.on_input_change", schema.output.on_input_change, INPUT_CHANGE_CHOICES)
     _positive("output.rows_per_part", schema.output.rows_per_part)
     _positive("output.lease_timeout_s", schema.output.lease_timeout_s)
@@ -466,6 +504,7 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _positive("progress.log_every_s", schema.progress.log_every_s)
     _positive("output.report_interval_s", schema.output.report_interval_s)
     _positive("plan.window_rows", schema.plan.window_rows)
+    _check_task(schema)
     return JobConfig(
         input=schema.input,
         output=schema.output,
@@ -477,6 +516,8 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
         plan=schema.plan,
         resolved=plain,
         speculative=_frozen(SpeculativeConfig, cfg.speculative, "speculative"),
+        task=schema.task,
+        embed=_frozen(Embed, cfg.embed, "embed"),
     )
 
 

@@ -26,14 +26,15 @@ from pipeline.output.commit import UnitWriter
 from pipeline.output.formats import make_sink
 from pipeline.output.run_state import RunState
 from pipeline.output.signals import GracefulStop, Interrupted
-from pipeline.output.sink import Sink, metrics_name, report_dir_name, result_schema
+from pipeline.output.sink import Sink, metrics_name, report_dir_name
 from pipeline.perf.progress import make_progress, prefill_efficiency, summary
 from pipeline.plan.rows import rows_to_do
 from pipeline.plan.units import InputFile, Unit, WorkPlan
 from pipeline.plan.window import PrefillLowerBound, WindowPlanner
 from pipeline.preflight import check_filesystems, check_model_values, check_room
-from pipeline.source.columns import column_specs, read_columns
-from pipeline.source.formats import Builder, Source, open_source, prompt_builder
+from pipeline.source.columns import column_specs, job_columns
+from pipeline.source.formats import Source, open_source
+from pipeline.task import RowBuilder, RowTask, row_builder, row_task
 
 if TYPE_CHECKING:
     from pipeline.engine.batch_tuning import BatchChoice
@@ -214,34 +215,29 @@ def _draft_model(cfg: JobConfig, model_path: str, loaded: Any) -> Any:
 
 @dataclass
 class _Pending:
-    """An input row whose samples are still in the engine."""
+    """An input row whose requests are still in the engine."""
 
     base: dict[str, Any]  # id and passthrough values
     unit: Unit
     position: int  # row position inside its unit
-    remaining: int
+    results: list[Result | None]  # its requests' samples, in request order, then sample order
     where: str  # `row 3 of in.parquet (id 7)`, for an error the engine reports
-    failed: bool = False
-
-
-def _error_row(base: dict[str, Any], index: int, error: str, prompt_tokens: int) -> dict[str, Any]:
-    """Sample `index` of an input row that did not run: `text` and the other outputs null."""
-    return {**base, "sample_index": index, "text": None, "token_ids": None, "logprobs": None,
-            "logprob_tokens": None, "prompt_logprobs": None, "prompt_tokens": prompt_tokens, "cached_tokens": 0,
-            "completion_tokens": 0, "finish_reason": "error", "error": error}
+    prompt_tokens: int
+    remaining: int
 
 
 class _Run:
     """The state of one run while rows stream through the engine."""
 
     def __init__(self, cfg: JobConfig, source: Source, state: RunState, writer: UnitWriter,
-                 builder: Builder, id_column: str | None) -> None:
+                 builder: RowBuilder, id_column: str | None, task: RowTask) -> None:
         self.cfg = cfg
         self.source = source
         self.state = state
         self.writer = writer
         self.id_column = id_column
         self.builder = builder
+        self.task = task
         self.pending: dict[int, _Pending] = {}
         self.planner = WindowPlanner(builder.prepare, cfg.plan.prefix_sort)  # tokenizes each row once
         self.bound = PrefillLowerBound()
@@ -256,7 +252,7 @@ class _Run:
         seq = 0
         state = self.state
         for unit, position, file, row_index, planned in rows_to_do(
-                self.source, state.plan, state.todo, read_columns(self.cfg.resolved["input"]), inp.batch_rows,
+                self.source, state.plan, state.todo, job_columns(self.cfg), inp.batch_rows,
                 self.writer.digests, self.writer.rows, self.planner, lambda: state.stop.stopping):
             row, prepared = planned.row, planned.prepared
             row_id = row.get(self.id_column) if self.id_column else f"{file.name}:{row_index}"
@@ -266,39 +262,37 @@ class _Run:
                 self._reject(base, unit, position, error, prepared.prompt_tokens)
                 continue
             where = f"row {row_index} of {file.name}" + (f" (id {row_id!r})" if self.id_column else "")
-            self.pending[seq] = _Pending(base, unit, position, self.cfg.sampling.n, where)
-            self.bound.add(unit.window, prepared.token_ids, prepared.adapter)
-            fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
-            yield Request(seq, prepared.token_ids, self.builder.seeded(prepared, row_id), adapter=prepared.adapter)
+            requests = self.task.requests(prepared)  # one, or one per candidate (task=score)
+            samples = self.cfg.sampling.n
+            self.pending[seq] = _Pending(base, unit, position, [None] * (len(requests) * samples), where,
+                                         prepared.prompt_tokens, len(requests) * samples)
+            sampling = self.builder.seeded(prepared, row_id)
+            for j, (token_ids, prefill) in enumerate(requests):
+                self.bound.add(unit.window, token_ids, prepared.adapter)
+                fault_point("row.admit")  # crash tests: killed while the engine prefills/decodes others
+                yield Request((seq, j), token_ids, sampling, prefill, adapter=prepared.adapter)
             seq += 1
 
     def _reject(self, base: dict[str, Any], unit: Unit, position: int, error: str, prompt_tokens: int) -> None:
-        for index in range(self.cfg.sampling.n):
-            self.writer.add(unit, position, _error_row(base, index, error, prompt_tokens))
+        for row in self.task.error_rows(base, error, prompt_tokens):
+            self.writer.add(unit, position, row)
         self.rows += 1
         self.error_rows += 1
 
     def accept(self, result: Result) -> None:
+        """Keep a sample's result; once the row has all of them, write its output rows."""
         fault_point("row.result")  # crash tests: killed mid-decode of the other running rows
-        entry = self.pending[result.id]
-        if result.finish_reason == "error":  # the engine refused the row's own values (a `regex` column, ...)
-            row = _error_row(entry.base, result.sample_index, f"{entry.where}: {result.error}", result.prompt_tokens)
-        else:
-            row = {
-                **entry.base, "sample_index": result.sample_index, "text": result.text,
-                "token_ids": result.token_ids, "logprobs": result.logprobs,
-                "logprob_tokens": result.logprob_tokens, "prompt_logprobs": result.prompt_logprobs,
-                "prompt_tokens": result.prompt_tokens,
-                "cached_tokens": result.cached_tokens, "completion_tokens": result.completion_tokens,
-                "finish_reason": result.finish_reason, "error": result.error,
-            }
-        self.writer.add(entry.unit, entry.position, row)
+        seq, j = result.id
+        entry = self.pending[seq]
+        entry.results[j * self.cfg.sampling.n + result.sample_index] = result
         entry.remaining -= 1
-        entry.failed |= result.finish_reason == "error"
-        if entry.remaining == 0:
-            del self.pending[result.id]
-            self.rows += 1
-            self.error_rows += entry.failed
+        if entry.remaining:
+            return
+        del self.pending[seq]
+        for row in self.task.rows(entry.base, entry.results, entry.prompt_tokens, entry.where):
+            self.writer.add(entry.unit, entry.position, row)
+        self.rows += 1
+        self.error_rows += any(r.finish_reason == "error" for r in entry.results)
 
 
 def _peak_rss_bytes() -> int:
@@ -315,6 +309,7 @@ class _Input:
     schema: pa.Schema  # the output's
     model_path: str
     model_name: str
+    task: RowTask
 
 
 @dataclass(frozen=True)
@@ -398,10 +393,10 @@ def _run_rows(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, recorder
     """Stream the rows still to do through the engine into the output's units, with progress; Interrupted
     when a stop request ended admission before every unit was committed."""
     engine, run_state, stop = model.engine, out.run_state, out.stop
-    builder = prompt_builder(cfg, model.loaded.tokenizer, engine.max_model_len)
+    builder = row_builder(cfg, model.loaded.tokenizer, engine.max_model_len)
     writer = UnitWriter(run_state, out.sink, cfg.sampling.n)
     progress = make_progress(cfg.progress.mode, run_state.todo_rows, cfg.progress.log_every_s, stdout, log.info)
-    state = _Run(cfg, inp.source, run_state, writer, builder, inp.ids[0] if inp.ids else None)
+    state = _Run(cfg, inp.source, run_state, writer, builder, inp.ids[0] if inp.ids else None, inp.task)
     stats = engine.stats
 
     def observe() -> None:  # after every step: the first line and sample come before the first row finishes
@@ -432,6 +427,7 @@ def _metrics(cfg: JobConfig, inp: _Input, out: _Output, model: _Model, state: _R
     stats, loaded, run_state, writer = model.engine.stats, model.loaded, out.run_state, state.writer
     generate_s = t_end - t_loaded
     return {
+        "task": cfg.task,
         "rows": state.rows,
         "output_rows": writer.rows_written,
         "error_rows": state.error_rows,
@@ -521,17 +517,16 @@ def _check_input(cfg: JobConfig) -> _Input:
     """Everything that can be checked before the output is touched and the weights load: the filesystems,
     the input's files and columns, the model file, and the rows' values the model must accept."""
     check_filesystems(cfg)
-    source = open_source(cfg)
+    source = open_source(cfg, cfg.task)
     types = source.check_columns(column_specs(cfg))
     ids = source.id_field(cfg.input.id_column, types)
     log.info("input: %d rows in %d files", source.total_rows, len(source.files))
     passthrough = {c: types[c] for c in cfg.input.passthrough_columns}
-    schema = result_schema(ids[1] if ids else pa.string(), passthrough, cfg.output.token_ids,
-                           cfg.sampling.logprobs > 0 or "logprobs" in types,  # a row may ask for them
-                           cfg.sampling.prompt_logprobs > 0 or "prompt_logprobs" in types)
     model_path, model_name = _model_path(cfg)
+    task = row_task(cfg, types, model_path)
+    schema = task.schema(ids[1] if ids else pa.string(), passthrough)
     check_model_values(cfg, model_path, types)  # before the output folder is touched and the weights load
-    return _Input(source, types, ids, schema, model_path, model_name)
+    return _Input(source, types, ids, schema, model_path, model_name, task)
 
 
 def _served_steps_as_worker(cfg: JobConfig, model_path: str) -> bool:
@@ -549,7 +544,7 @@ def _open_output(cfg: JobConfig, inp: _Input, resources: contextlib.ExitStack) -
     stop = resources.enter_context(GracefulStop(cfg.runtime.grace_s))
     plan = WorkPlan(tuple(InputFile(f.name, f.size, f.num_rows) for f in source.files),
                     window_rows=cfg.plan.window_rows, rows_per_part=cfg.output.rows_per_part)
-    columns, batch_rows = read_columns(cfg.resolved["input"]), cfg.input.batch_rows
+    columns, batch_rows = job_columns(cfg), cfg.input.batch_rows
     run_state = RunState(cfg.output.path, plan, {**cfg.fingerprint(model_path), "input_content": source.content()},
                          num_shards=cfg.runtime.num_shards, shard_index=cfg.runtime.shard_index,
                          lease_timeout_s=cfg.output.lease_timeout_s, stop=stop,
@@ -617,7 +612,8 @@ def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], 
     except ValueError as e:
         raise JobError(str(e)) from None
     check_room(cfg, types, engine.max_model_len)  # the KV cache may hold fewer positions than the model has
-    batch_choice = engine.tune_batch_size(cfg.sampling.max_tokens, samples)
+    # score and embed decode nothing: their steps are prefill chunks, which the token budget sizes
+    batch_choice = engine.tune_batch_size(cfg.sampling.max_tokens, samples) if cfg.task == "generate" else None
     if batch_choice is not None:
         log.info("engine.max_batch_size=auto: %d (%s)", batch_choice.batch, batch_choice.reason)
     return _Model(sharded, engine, quant, options, hardware, cache, kv_dtype, batch_choice)

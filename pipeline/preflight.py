@@ -47,7 +47,7 @@ def check_filesystems(cfg: JobConfig) -> None:
 def check_model_values(cfg: JobConfig, model_path: str, columns: Mapping[str, Any]) -> None:
     """The config's values against the model's shape and tokenizer (no weights read). `columns` are the
     input columns the job reads: a `max_tokens` column may make room that `sampling.max_tokens` does not."""
-    from pipeline.perf.plan_cli import read_model
+    from pipeline.perf.roofline_cli import read_model
 
     try:
         shape, load_tokenizer = read_model(model_path)
@@ -70,8 +70,9 @@ def check_model_values(cfg: JobConfig, model_path: str, columns: Mapping[str, An
 
 def check_room(cfg: JobConfig, columns: Mapping[str, Any], max_model_len: int) -> None:
     """`sampling.max_tokens` leaves room for a prompt in `max_model_len`: before the load against the model's
-    positions, after it against the engine's length (which the KV cache may shorten)."""
-    if cfg.sampling.max_tokens >= max_model_len and "max_tokens" not in columns:
+    positions, after it against the engine's length (which the KV cache may shorten). Only generation keeps
+    room for tokens after the prompt."""
+    if cfg.task == "generate" and cfg.sampling.max_tokens >= max_model_len and "max_tokens" not in columns:
         raise JobError(f"sampling.max_tokens={cfg.sampling.max_tokens} leaves no room for a prompt in "
                        f"max_model_len={max_model_len}: every row would be an error row")
 

@@ -9,6 +9,7 @@ import pyarrow as pa
 
 from pipeline.config import JobConfig
 from pipeline.source.files import ColumnSpec
+from pipeline.source.prefill_prompts import is_candidates_type
 from pipeline.source.sampling_columns import column_type
 
 
@@ -41,13 +42,24 @@ def column_specs(cfg: JobConfig) -> list[ColumnSpec]:
     ]
     if inp.lora_column:
         specs.append(ColumnSpec(inp.lora_column, "input.lora_column", _is_text, "string"))
+    if cfg.task == "score":
+        specs.append(ColumnSpec(inp.candidates_column, "input.candidates_column", is_candidates_type,
+                                "string or list<string>"))
     return specs
 
 
 def read_columns(inp: Mapping[str, Any]) -> list[str]:
     """The columns a job reads, in the order its batches carry them (prompt or messages, id, passthrough,
-    sampling, LoRA adapter; each once). `inp`: the resolved `input` section, as the job and its fingerprint
-    hold it."""
+    sampling, LoRA adapter, candidates; each once). `inp`: the resolved `input` section, as the job and its
+    fingerprint hold it."""
     return list(dict.fromkeys([inp["messages_column"] or inp["prompt_column"], inp["id_column"],
                                *inp["passthrough_columns"], *inp["sampling_columns"],
-                               *([inp["lora_column"]] if inp.get("lora_column") else [])]))
+                               *([inp["lora_column"]] if inp.get("lora_column") else []),
+                               *([inp["candidates_column"]] if inp.get("candidates_column") else [])]))
+
+
+def job_columns(cfg: JobConfig) -> list[str]:
+    """The columns `cfg`'s job reads: `read_columns` of its input section as its fingerprint holds it, which
+    names the candidates column under task=score only (`JobConfig.fingerprint`)."""
+    inp = cfg.resolved["input"]
+    return read_columns(inp if cfg.task == "score" else {k: v for k, v in inp.items() if k != "candidates_column"})
