@@ -359,7 +359,9 @@ def check_runners(ctx: Ctx, rows: Rows) -> None:
         three = eng.runner = ThreeRunners(eng.runner, eng.num_blocks, eng.config.block_size, ctx.device)
         ps = prompts(5 if ctx.dry else 48, 3, 30 if ctx.dry else 400, model.config.vocab_size, seed=3)
         list(eng.generate(greedy_requests(ps, 3 if ctx.dry else 16)))
-        tol = 1e-3 if dtype == torch.float32 else 5e-2  # of the largest logit
+        # of the largest logit: float32 runners agree to rounding; in bf16 the torch runner's attention
+        # runs in bf16 (the kernels in float32), so only a gross difference fails
+        tol_graphs, tol_torch = (1e-3, 1e-3) if dtype == torch.float32 else (5e-2, 0.25)
         for kind in ("prefill", "mixed", "decode"):
             steps = [s for s in three.steps if s["kind"] == kind]
             if not steps:
@@ -369,7 +371,7 @@ def check_runners(ctx: Ctx, rows: Rows) -> None:
             vs_eager = max(s["graphs_vs_eager"] for s in steps)
             same = sum(s["argmax_same"] for s in steps) / max(1, sum(s["rows"] for s in steps))
             replayed = sum(s["replayed"] for s in steps)
-            ok = vs_torch <= tol * scale and vs_eager <= tol * scale
+            ok = vs_torch <= tol_torch * scale and vs_eager <= tol_graphs * scale
             rows.add(f"SmolLM2-shaped {str(dtype)[6:]}: {len(steps)} {kind} steps ({replayed} replayed)",
                      f"max |logit diff| eager-torch {vs_torch:.2e}, graphs-eager {vs_eager:.2e} (max logit "
                      f"{scale:.1f}); argmax eager=torch {100 * same:.1f}%", "ok" if ok else "FAIL",
