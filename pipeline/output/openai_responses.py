@@ -2,7 +2,7 @@
 
 A request that ran is `{"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200,
 "request_id": ..., "body": ...}, "error": null}`, its body a `chat.completion` or `text_completion` object
-whose choices are the request's samples; one whose row failed is `{"id": ..., "custom_id": ...,
+whose choices are the request's samples, or an embedding `list` (task=embed); one whose row failed is `{"id": ..., "custom_id": ...,
 "response": null, "error": {"code": "invalid_request", "message": ...}}`. Ids are derived from the job's
 fingerprint and the input row, so a resumed run writes the same ids.
 """
@@ -31,10 +31,15 @@ def response_line(samples: Sequence[Mapping[str, Any]], request_id: str, model: 
     that does not say (a row from a Parquet or JSON Lines input): `object` and `top_logprobs`."""
     first = samples[0]
     line: dict[str, Any] = {"id": f"batch_req_{request_id}", "custom_id": first["id"]}
-    failed = next((r for r in samples if r["finish_reason"] == "error"), None)
+    # a failed row (an error that is not an `incomplete` constrained output's note)
+    failed = next((r for r in samples if r["error"] is not None and r.get("finish_reason", "error") == "error"),
+                  None)
     if failed is not None:
         return {**line, "response": None, "error": {"code": ERROR_CODE, "message": failed["error"]}}
     request = {**defaults, **(first.get(REQUEST_KEY) or {})}
+    if request["object"] == "embedding":
+        return {**line, "response": {"status_code": 200, "request_id": request_id,
+                                     "body": _embeddings(first, model)}, "error": None}
     chat = request["object"] == "chat.completion"
     top = request.get("top_logprobs")
     completion = sum(r["completion_tokens"] for r in samples)
@@ -49,6 +54,11 @@ def response_line(samples: Sequence[Mapping[str, Any]], request_id: str, model: 
                   "prompt_tokens_details": {"cached_tokens": first["cached_tokens"]}},
     }
     return {**line, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def _embeddings(row: Mapping[str, Any], model: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
+            "model": model, "usage": {"prompt_tokens": row["prompt_tokens"], "total_tokens": row["prompt_tokens"]}}
 
 
 def _chat_choice(row: Mapping[str, Any], top: int | None) -> dict[str, Any]:

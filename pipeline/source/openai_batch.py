@@ -1,8 +1,9 @@
 """OpenAI Batch API input files: one request per line, mapped onto the job's rows and per-row sampling.
 
-A line is `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body":
-{...}}`. Its body becomes a row that the job's own machinery runs: `messages` rendered with the chat
-template (chat requests) or `prompt` as raw text (completion requests, as that endpoint does), and the
+A line is `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/embeddings", "body": {...}}`. Its body becomes a row that the job's own machinery runs: `messages`
+rendered with the chat template (chat requests) or `prompt` as raw text (completion requests, and an
+embedding request's `input`, under `task=embed`, as those endpoints do), and the
 body's sampling values under the engine's names, read as per-row sampling columns are
 (pipeline/source/sampling_columns.py): `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`,
 `seed`, `stop`, `logprobs` / `top_logprobs`, `response_format` (a JSON schema constraint), penalties,
@@ -32,7 +33,7 @@ CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/
 URL_TASKS = {CHAT: "generate", COMPLETIONS: "generate", EMBEDDINGS: "embed"}
 ID_KEY = "custom_id"
 # The row key that tells the output how to answer the request: {"object": "chat.completion" |
-# "text_completion", "top_logprobs": k or None}. The job carries it to the request's output rows.
+# "text_completion" | "embedding", "top_logprobs": k or None}. The job carries it to the request's output rows.
 REQUEST_KEY = "openai_request"
 # Body keys read as the engine's sampling keys of the same name: OpenAI's, and vLLM's extensions.
 SAMPLING_KEYS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -42,8 +43,10 @@ ROW_SAMPLING = (*SAMPLING_KEYS, "max_tokens", "logprobs", "json_schema")
 # Body keys that change nothing here: the job's model answers every request, and the output is a file.
 _IGNORED = ("model", "user", "store", "metadata", "service_tier", "stream", "stream_options")
 _BODY_KEYS = {
-    CHAT: {"messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs", "response_format"},
-    COMPLETIONS: {"prompt", "max_tokens", "n", "logprobs"},
+    CHAT: {"messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs", "response_format",
+           *SAMPLING_KEYS},
+    COMPLETIONS: {"prompt", "max_tokens", "n", "logprobs", *SAMPLING_KEYS},
+    EMBEDDINGS: {"input", "encoding_format"},
 }
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
 
@@ -68,7 +71,7 @@ def request_row(line: Mapping[str, Any], task: str, samples: int) -> dict[str, A
     if not isinstance(body, dict):
         raise RequestError("no body" if body is None else "body is not a JSON object")
     body = {k: v for k, v in body.items() if v is not None}  # null means "the default", as in the API
-    unknown = sorted(k for k in body if k not in _BODY_KEYS[url] and k not in SAMPLING_KEYS and k not in _IGNORED)
+    unknown = sorted(k for k in body if k not in _BODY_KEYS[url] and k not in _IGNORED)
     if unknown:
         raise RequestError(f"body.{unknown[0]} is not supported")
     if body.get("n", samples) != samples:
@@ -84,11 +87,16 @@ def request_row(line: Mapping[str, Any], task: str, samples: int) -> dict[str, A
         if "response_format" in body:
             row["json_schema"] = _json_schema(body["response_format"])
         kind = "chat.completion"
-    else:
-        row["prompt"] = _prompt(body.get("prompt"))
+    elif url == COMPLETIONS:
+        row["prompt"] = _prompt(body, "prompt")
         row["max_tokens"] = body.get("max_tokens")
         top = _count(body, "logprobs") if "logprobs" in body else None
         kind = "text_completion"
+    else:
+        if body.get("encoding_format", "float") != "float":
+            raise RequestError(f"body.encoding_format {body['encoding_format']!r} is not supported (float only)")
+        row["prompt"] = _prompt(body, "input")
+        top, kind = None, "embedding"
     if top is not None:  # the engine reports the chosen token's log-probability with its top k (k >= 1)
         row["logprobs"] = max(top, 1)
     row[REQUEST_KEY] = {"object": kind, "top_logprobs": top}
@@ -125,11 +133,12 @@ def _text_part(i: int, part: Any) -> str:
     return part["text"]
 
 
-def _prompt(value: Any) -> Any:
-    """One text prompt (a list of one string is that string)."""
+def _prompt(body: Mapping[str, Any], key: str) -> Any:
+    """The body's one text prompt under `key` (a list of one string is that string)."""
+    value = body.get(key)
     if isinstance(value, list):
         if len(value) != 1 or not isinstance(value[0], str):
-            raise RequestError("body.prompt must be one text prompt (a string, or a list of one string)")
+            raise RequestError(f"body.{key} must be one text (a string, or a list of one string)")
         return value[0]
     return value
 
@@ -183,7 +192,8 @@ class OpenAIBatchSource(JsonlSource):
 
 class RequestPromptBuilder:
     """The prompt builder of request rows: a chat request's messages rendered with the chat template, a
-    completion request's prompt as raw text (what each endpoint does), with the request's sampling values."""
+    completion request's prompt and an embedding request's input as raw text (what each endpoint does), with
+    the request's sampling values."""
 
     def __init__(self, tokenizer: ChatTokenizer, inp: InputConfig, sampling: SamplingParams,
                  max_model_len: int, job_seed: int = 0) -> None:
@@ -196,7 +206,7 @@ class RequestPromptBuilder:
 
     def prepare(self, row: Mapping[str, Any]) -> Prepared:
         request = row.get(REQUEST_KEY) or {}
-        return (self.text if request.get("object") == "text_completion" else self.chat).prepare(row)
+        return (self.chat if request.get("object") == "chat.completion" else self.text).prepare(row)
 
     def seeded(self, prepared: Prepared, row_id: Any) -> SamplingParams:
         return self.chat.seeded(prepared, row_id)  # both builders seed alike

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from openai.types import BatchError, Completion
+from openai.types import BatchError, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from pipeline.output.openai_responses import request_hash, response_line
@@ -51,6 +51,15 @@ def test_rows_without_a_request_take_the_defaults():
     line = response_line([sample(0)], "r", "m", 0, {"object": "text_completion", "top_logprobs": None})
     body = Completion.model_validate(line["response"]["body"])
     assert body.object == "text_completion" and body.choices[0].text == "out 0" and body.id == "cmpl-r"
+
+
+def test_an_embedding_request():
+    row = {"id": "e1", "embedding": [0.5, -0.25], "prompt_tokens": 4, "cached_tokens": 0, "error": None}
+    line = response_line([row], "r", "m", 0, {"object": "embedding"})
+    body = CreateEmbeddingResponse.model_validate(line["response"]["body"])
+    assert body.data[0].embedding == [0.5, -0.25] and body.usage.prompt_tokens == 4 and line["error"] is None
+    failed = response_line([{**row, "embedding": None, "error": "too long"}], "r", "m", 0, {"object": "embedding"})
+    assert failed["response"] is None and failed["error"]["message"] == "too long"
 
 
 @pytest.mark.parametrize("custom_id", ["req-1", None])

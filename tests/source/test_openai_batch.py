@@ -55,6 +55,18 @@ def test_a_completion_body_and_defaults():
         "json_schema"] == '{"type": "object"}'
 
 
+def test_an_embedding_body_under_task_embed():
+    row = request_row(chat({"input": ["some text"], "model": "text-embedding-3-small", "encoding_format": "float"},
+                           url="/v1/embeddings"), "embed", 1)
+    assert row == {"custom_id": "r1", "prompt": "some text", REQUEST_KEY: {"object": "embedding", "top_logprobs": None}}
+    with pytest.raises(RequestError, match="/v1/chat/completions requests need task=generate; this job's task is embed"):
+        request_row(chat({"messages": []}), "embed", 1)
+    with pytest.raises(RequestError, match="body.temperature is not supported"):
+        request_row(chat({"input": "x", "temperature": 1}, url="/v1/embeddings"), "embed", 1)
+    with pytest.raises(RequestError, match="encoding_format 'base64'"):
+        request_row(chat({"input": "x", "encoding_format": "base64"}, url="/v1/embeddings"), "embed", 1)
+
+
 @pytest.mark.parametrize("line, words", [
     (chat({}, url="/v1/images"), "url '/v1/images' is not one of"),
     ({**chat({}), "method": "GET"}, "method 'GET' is not POST"),
@@ -66,7 +78,7 @@ def test_a_completion_body_and_defaults():
     (chat({"messages": [], "n": 3}), "n=3: this job writes sampling.n=1 samples per request"),
     (chat({"messages": "hi"}), "body.messages must be a list"),
     (chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "content part 'image_url'"),
-    (chat({"prompt": ["a", "b"]}, url="/v1/completions"), "one text prompt"),
+    (chat({"prompt": ["a", "b"]}, url="/v1/completions"), "body.prompt must be one text"),
     (chat({"messages": [], "logprobs": True, "top_logprobs": -1}), "body.top_logprobs must be an integer >= 0"),
     (chat({"messages": [], "response_format": {"type": "grammar"}}), "response_format.type 'grammar'"),
     (chat({"messages": [], "response_format": {"type": "json_schema", "json_schema": {}}}), "schema must be"),
@@ -109,6 +121,8 @@ def test_chat_requests_render_the_template_and_completions_stay_raw(tokenizer):
                                        "generate", 1))
     assert text.token_ids == tokenizer.encode("Once upon a time")  # no template, no system prompt
     assert text.sampling == SamplingParams(max_tokens=8, stop=(".",))
+    embedding = builder.prepare(request_row(chat({"input": "Once upon a time"}, url="/v1/embeddings"), "embed", 1))
+    assert embedding.token_ids == text.token_ids
     bad = builder.prepare({"custom_id": None, BAD_CELLS: ["line 2 of b.jsonl: not valid JSON"]})
     assert bad.error == "line 2 of b.jsonl: not valid JSON"
     wrong = builder.prepare(request_row(chat({"messages": messages, "temperature": -1}), "generate", 1))
