@@ -26,10 +26,8 @@ def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], rslora
     """A PEFT checkpoint for the Hugging Face model in `base`, with random A and B; `config` adds
     LoraConfig fields (modules_to_save, ...)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+    peft_model = get_peft_model(hf_model(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                                                   use_rslora=rslora, **config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -46,11 +44,18 @@ def make_adapters(base: Path, root: Path) -> dict[str, Path]:
             for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items())}
 
 
-def merged_model(base: Path, adapter: Path | None):
-    """transformers' float32 model of `base` with `adapter` merged into its weights (None: the base)."""
+def hf_model(base: Path):
+    """transformers' float32 model of a Hugging Face folder or a GGUF file (dequantized)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if base.is_file():
+        return AutoModelForCausalLM.from_pretrained(base.parent, gguf_file=base.name, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+
+
+def merged_model(base: Path, adapter: Path | None):
+    """transformers' float32 model of `base` with `adapter` merged into its weights (None: the base)."""
+    model = hf_model(base)
     if adapter is not None:
         from peft import PeftModel
 
