@@ -9,8 +9,8 @@ as it ends: `<n>-<section>.json`, and one line per row appended to `summary.md` 
 section that raises leaves `<n>-<section>.error.txt` (its traceback) and the next section runs.
 
 1. kernels: every Triton kernel (paged decode with and without split-K and a sliding window, prefill,
-   shared-prefix merge, W4A16, W8A16, W8A8) and FP8 `_scaled_mm` against their torch references, bf16
-   and float32, GQA groups 3, 4 and 8, head dims 64 and 128, block sizes 16 and 32.
+   shared-prefix merge, W4A16, W8A16, W8A8 and its row quantization) and FP8 `_scaled_mm` against their
+   torch references, bf16 and float32, GQA groups 3, 4 and 8, head dims 64 and 128, block sizes 16 and 32.
 2. runners: the engine's own mixed steps (chunked prefill beside decodes, then decodes) run by the GPU
    runner with CUDA graphs, the GPU runner eagerly and the torch runner, on one model: max logit
    difference and argmax agreement per kind of step, and how many steps replayed a graph.
@@ -54,8 +54,8 @@ from kernels.paged_attention_reference import (  # noqa: E402
     paged_decode_reference,
     paged_prefill_reference,
 )
-from kernels.w8a8_reference import w8a8_matmul_reference  # noqa: E402
-from kernels.w8a8_triton import w8a8_matmul_triton  # noqa: E402
+from kernels.w8a8_reference import quantize_rows, w8a8_matmul_reference  # noqa: E402
+from kernels.w8a8_triton import quantize_rows_triton, w8a8_matmul_triton  # noqa: E402
 from kernels.wq_reference import quantize_int4, quantize_int8, wq_matmul_reference  # noqa: E402
 from kernels.wq_triton import wq_matmul_triton  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
@@ -308,6 +308,11 @@ def _gemms(ctx: Ctx, rows: Rows, dtype: torch.dtype) -> None:
         qw, sw = quantize_int8(w)
         _verdict(rows, f"W8A8 Triton {str(dtype)[6:]} M={m} N={n} K={k}", w8a8_matmul_triton(x, qw, sw),
                  w8a8_matmul_reference(x, qw, sw), _tol(dtype))
+        q, s = quantize_rows_triton(x)
+        ref_q, ref_s = quantize_rows(x)
+        differ = (q != ref_q).sum().item() + (s != ref_s).sum().item()
+        rows.add(f"W8A8 row quantization kernel {str(dtype)[6:]} M={m} K={k} vs quantize_rows",
+                 f"{differ} values differ", "ok" if differ == 0 else "FAIL", differ=differ)
 
 
 def _verdict(rows: Rows, case: str, got: torch.Tensor, ref: torch.Tensor, rel_tol: float) -> None:

@@ -2,7 +2,9 @@
 
 Each program owns a BLOCK_M x BLOCK_N tile, accumulates int8 x int8 `tl.dot` in int32 over K and applies
 both scales in the epilogue, writing y once in the activation dtype. The activations are quantized per
-row before the call (`kernels.w8a8_reference.quantize_rows`). Arithmetic: see that module.
+row before the GEMM by one kernel (`quantize_rows_triton`: a program per row reads it twice, for its
+absmax and to round it) where torch's ops take seven; its int8 values and scales are exactly
+`kernels.w8a8_reference.quantize_rows`'s (IEEE division, ties to even). Arithmetic: see that module.
 """
 
 from __future__ import annotations
@@ -11,7 +13,40 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w8a8_reference import quantize_rows
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    # div_rn: IEEE division, as torch's (Triton's `/` on float32 need not round correctly)
+    scale = tl.math.div_rn(tl.max(amax, 0), tl.full((), 127.0, tl.float32))
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        r = tl.floor(v + 0.5)  # exact: |v| <= 127 leaves the half-step representable
+        odd = r - 2.0 * tl.floor(r * 0.5)
+        r = tl.where((r - v == 0.5) & (odd != 0.0), r - 1.0, r)  # ties to even, as torch.round
+        tl.store(q_ptr + row * stride_qm + rk, r.to(tl.int8), mask=rk < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(x)` (int8 values, float32 scales [M, 1]) in one kernel; x [M, K] with unit K stride."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
+                                    BLOCK_K=min(triton.next_power_of_2(k), 2048), num_warps=4)
+    return q, scale
 
 
 @triton.jit
@@ -57,7 +92,7 @@ def w8a8_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Ten
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
-    q, sx = quantize_rows(x2)
+    q, sx = quantize_rows_triton(x2)
     qweight = qweight.contiguous()
     sw = wscale.float().reshape(-1).contiguous()
     block_m, block_n, block_k = _tiles(m)

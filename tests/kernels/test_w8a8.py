@@ -112,3 +112,19 @@ def test_reference_is_exact_without_an_int64_matmul():
     assert exact[0, 0] == 127 * 127 * k
     expected = exact.double() * sx.double() * s.double().reshape(1, -1)
     assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_row_quantization_equals_quantize_rows(triton_w8a8, dtype):
+    """The one-kernel quantization gives exactly quantize_rows' values and scales: ties round to even (rows
+    scaled so that x / s lands on halves), a zero row gets scale 1, K not a multiple of the block."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 2500, generator=gen) * 10.0 ** torch.randint(-3, 3, (6, 1), generator=gen)
+    x[1] = 0
+    x[2, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])  # scale exactly 1: ties
+    x[2, 8:] = torch.randn(2492, generator=gen).clamp(-100, 100)
+    x = x.to(dtype)
+    q, s = triton_w8a8.quantize_rows_triton(x)
+    ref_q, ref_s = quantize_rows(x)
+    assert q.dtype == torch.int8 and torch.equal(q, ref_q) and torch.equal(s, ref_s)
+    assert q[2, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
