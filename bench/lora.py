@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from pipeline.job import run
 from pipeline.model.lora.peft_file import module_shapes
-from pipeline.perf.plan_cli import compose_job, read_model
+from pipeline.perf.roofline_cli import compose_job, read_model
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.job import run
-from pipeline.perf.plan_cli import compose_job, read_model
+from pipeline.perf.roofline_cli import compose_job, read_model
 from pipeline.plan.prefix import common_prefix_len, prefix_order, unique_prefix_tokens
 
 WORDS = ("answer", "question", "careful", "always", "never", "policy", "customer", "refund", "shipping", "order",

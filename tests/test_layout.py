@@ -24,7 +24,7 @@ STAGES: list[tuple[str, ...]] = [
     ("pipeline.output",),
     ("pipeline.perf",),
     ("pipeline.job", "pipeline.preflight"),
-    ("pipeline.__main__", "pipeline.probe", "pipeline.verify", "pipeline.plan.__main__"),
+    ("pipeline.__main__", "pipeline.probe", "pipeline.verify", "pipeline.roofline"),
 ]
 # The engine runs a model it is handed; loading files is the job's (through pipeline.parallel.runner).
 ENGINE_MUST_NOT_IMPORT = ("pipeline.model.loader", "pipeline.model.gguf_file", "pipeline.model.hf_file",

@@ -1,7 +1,7 @@
 """Roofline arithmetic for LLM inference: what the hardware can move and compute against what a step needs.
 
 Pure functions of a model shape (`ModelConfig`), a hardware profile and a weight precision — no torch, no
-I/O — so `python -m pipeline.plan`, the run report and the tests share one set of formulas.
+I/O — so `python -m pipeline.roofline`, the run report and the tests share one set of formulas.
 
 Conventions: a multiply-add is 2 FLOPs; bytes are bytes (1 GB = 1e9 B, 1 TB/s = 1e12 B/s); "context" is
 the number of positions a decode step attends over. A decode step reads every weight matrix once (the

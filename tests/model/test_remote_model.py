@@ -1,5 +1,5 @@
 """Models from an S3 URL (moto's S3 API server): copied once into the local cache, with checksums; a second
-use reads nothing remote; concurrent users download once; the job and `pipeline.plan` name the model."""
+use reads nothing remote; concurrent users download once; the job and `pipeline.roofline` name the model."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_concurrent_jobs_download_once(remote_model, tmp_path):
 
 
 def test_job_and_plan_name_the_remote_model(remote_model, tmp_path, capsys):
-    from pipeline.perf.plan_cli import main
+    from pipeline.perf.roofline_cli import main
 
     pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"]}), tmp_path / "in.parquet")
     overrides = [f"model.path={remote_model}", f"model.cache_dir={tmp_path / 'cache'}"]

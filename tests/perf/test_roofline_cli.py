@@ -1,4 +1,4 @@
-"""`python -m pipeline.plan`: job config + hardware profile in, the roofline table out."""
+"""`python -m pipeline.roofline`: job config + hardware profile in, the roofline table out."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.model.hf_file import config_from_hf
 from pipeline.model.roofline import decode_ceiling, kv_bytes_per_token
-from pipeline.perf.plan_cli import main, split_args
+from pipeline.perf.roofline_cli import main, split_args
 from tests.model.test_roofline import H100
 
 PROMPTS = ["What is 2+2?", "What is the capital of France?", "What is 2+3?", "Name a colour.",
@@ -89,7 +89,7 @@ def test_bad_arguments_are_named(capsys, tiny_model_dir, args, message):
 @pytest.mark.slow
 def test_command_line(tiny_model_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.plan", f"model.path={tiny_model_dir}", "model.dtype=float32", "hardware=h200",
+        [sys.executable, "-m", "pipeline.roofline", f"model.path={tiny_model_dir}", "model.dtype=float32", "hardware=h200",
          "roofline.sample_rows=0"], capture_output=True, text=True, timeout=120, check=True,
     ).stdout
     assert re.search(r"ridge point +14 FLOP/byte", out)  # the model's fp32 compute: 67 TFLOP/s / 4.8 TB/s

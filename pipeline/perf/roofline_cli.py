@@ -1,11 +1,11 @@
-"""`python -m pipeline.plan [conf=job.yaml] [job keys ...] hardware=h100 [hardware.KEY=V] [roofline.KEY=V]`
+"""`python -m pipeline.roofline [conf=job.yaml] [job keys ...] hardware=h100 [hardware.KEY=V] [roofline.KEY=V]`
 
 Prints the roofline arithmetic for the configured job before it runs: weight and KV bytes, the ridge
 point, decode ceilings at batch 1 and at the engine's batch, the largest batch that fits, prefill with and
 without prefix reuse (from a sample of `input.path`), a time estimate and the cost per million tokens.
 
 The job keys are the job's own Hydra config (conf/config.yaml); `hardware=NAME` picks conf/hardware/NAME.yaml
-(`cpu` measures this machine); `roofline.*` are the options of `PlanOptions` below.
+(`cpu` measures this machine); `roofline.*` are the options of `RooflineOptions` below.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pipeline.plan.prefix import unique_prefix_tokens
 
 
 @dataclass
-class PlanOptions:
+class RooflineOptions:
     """`roofline.*` keys: what the job config does not say. null = derive from the job config."""
 
     weights: str | None = None  # weight precision (fp32, bf16, int8, int4-g32, q4_1, ...); null = model.dtype
@@ -67,9 +67,9 @@ def split_args(argv: list[str]) -> tuple[list[str], str, list[str], list[str]]:
     return job, name, hw_over, opt_over
 
 
-def load_options(overrides: list[str]) -> PlanOptions:
+def load_options(overrides: list[str]) -> RooflineOptions:
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(PlanOptions), OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(OmegaConf.structured(RooflineOptions), OmegaConf.from_dotlist(overrides))
         return OmegaConf.to_object(merged)
     except Exception as e:
         raise JobError(f"invalid roofline option {overrides}: {e}") from None
@@ -133,7 +133,7 @@ def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[
 
 # ------------------------------------------------------------------------------------------ the figures
 def plan_figures(
-    cfg: ModelConfig, hw: HardwareProfile, opts: PlanOptions, *, model_dtype: str, batch: int,
+    cfg: ModelConfig, hw: HardwareProfile, opts: RooflineOptions, *, model_dtype: str, batch: int,
     max_tokens: int, kv_budget: int, chunk_tokens: int, prompts: list[list[int]] | None = None,
     total_rows: int | None = None,
 ) -> dict:
@@ -195,7 +195,7 @@ def plan_figures(
     return out
 
 
-def fitting_alternatives(cfg: ModelConfig, hw: HardwareProfile, opts: PlanOptions, roof: Roofline,
+def fitting_alternatives(cfg: ModelConfig, hw: HardwareProfile, opts: RooflineOptions, roof: Roofline,
                          sequence_len: int) -> list[str]:
     """The smallest tensor-parallel size, and the first lower weight precision, with which one sequence fits."""
     out = []
