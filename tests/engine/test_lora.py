@@ -125,3 +125,19 @@ def test_quantized_base_runs_the_deltas(tiny_model_dir, adapters, rows_and_refer
     results, _ = run(loaded, adapters, rows[:32], 32)
     agree = sum(results[i].token_ids[0] == reference[i].tokens[0] for i in range(32))
     assert agree >= 29, agree
+
+
+def test_gpu_runner_applies_the_deltas_outside_graphs(tiny_model_dir, adapters, rows_and_reference):
+    """The CUDA runner (its Triton kernels on the interpreter, graphs emulated): steps with adapter rows run
+    eagerly with the deltas, the base-only ones may replay a graph; tokens as the merged reference's."""
+    from tests.engine.test_gpu_runner import emulated_graphs
+
+    rows, reference = rows_and_reference
+    picked = [0, 4, 8, 1, 2, 3]  # base rows first (a base-only step replays), then a, b, c
+    config = EngineConfig(kv_cache_memory="16MiB", block_size=16, max_batch_size=8)
+    engine = Engine(load_model(tiny_model_dir), config, make_runner=emulated_graphs({}, 8),
+                    lora=LoraConfig({k: str(v) for k, v in adapters.items()}))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    results = {r.id: r.token_ids for r in engine.generate(
+        Request(i, rows[i][0], sampling, adapter=rows[i][1]) for i in picked)}
+    assert_only_near_ties({i: reference[i] for i in picked}, results, epsilon=1e-3)
