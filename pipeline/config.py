@@ -295,7 +295,7 @@ class JobConfig:
             "output": output,
             # which rows share a unit (plan.window_rows is in the plan numbers)
             "order": {"prefix_sort": resolved.get("plan", {}).get("prefix_sort")},
-            "seeds": "row",  # each row's seed hashes (job seed, row id): see engine.sequence.row_seed
+            "seeds": "row",  # each row's seed hashes (job seed, row id): see pipeline.seeds.row_seed
         }
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Earlier stages first; a module may import its own stage or an earlier one. The longest matching prefix
 # decides a module's stage.
 STAGES: list[tuple[str, ...]] = [
-    ("pipeline.errors", "pipeline.faults", "pipeline.stopwatch"),
+    ("pipeline.errors", "pipeline.faults", "pipeline.seeds", "pipeline.stopwatch"),
     ("kernels",),
     ("pipeline.model",),
     ("pipeline.engine",),

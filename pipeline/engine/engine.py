@@ -33,13 +33,14 @@ from pipeline.engine.runner import (
 )
 from pipeline.engine.sampler import Allowed, Sampled, sample, verify
 from pipeline.engine.scheduler import Scheduler
-from pipeline.engine.sequence import Sequence, Status, sample_seed
+from pipeline.engine.sequence import Sequence, Status
 from pipeline.engine.spec_gate import SpeculationGate
 from pipeline.engine.speculative import make_proposer
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.timing import Stamp, StepClock
 from pipeline.model.llama import LlamaModel, cpp_compiler
 from pipeline.model.lora.peft_file import AdapterError
+from pipeline.seeds import sample_seed
 
 
 @dataclass

@@ -18,8 +18,8 @@ import fsspec
 
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
-from pipeline.engine.sequence import row_seed
 from pipeline.errors import JobError
+from pipeline.seeds import row_seed
 from pipeline.source.files import BAD_CELLS
 from pipeline.source.sampling_columns import cell_value
 

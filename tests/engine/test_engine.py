@@ -13,7 +13,7 @@ from pipeline.engine import runner
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
-from pipeline.engine.sequence import sample_seed
+from pipeline.seeds import sample_seed
 from tests.engine.conftest import EOS, CharTokenizer, TinyLoaded, random_prompts
 from tests.reference import Decoded, assert_only_near_ties, gaps_of, greedy, greedy_decode, prompt_logits
 

@@ -11,8 +11,8 @@ import pytest
 
 from pipeline.config import InputConfig
 from pipeline.engine.request import SamplingParams
-from pipeline.engine.sequence import row_seed
 from pipeline.output.verify import verify_output
+from pipeline.seeds import row_seed
 from pipeline.source.prompts import Prepared, PromptBuilder
 from tests.output.jobs import read_output
 from tests.output.test_resume import POINTS, crash_and_resume, stable
