@@ -1,5 +1,7 @@
-"""The package's import graph follows the data flow: every import (function-level ones included) points to
-the same or an earlier stage, and there are no cycles. See docs/development.md (layout)."""
+"""The package's import graph follows the data flow: its packages and top-level modules stand on floors, and
+every import (function-level and type-checking ones included) points to the same floor or a lower one, with
+no cycles. A package stands on one floor whole, so no import climbs out of it. See docs/development.md
+(Import floors)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Earlier stages first; a module may import its own stage or an earlier one. The longest matching prefix
-# decides a module's stage.
-STAGES: list[tuple[str, ...]] = [
+# Lowest first; a module may import from its own floor or a lower one. Each entry is a whole package or a
+# top-level module (`kernels`, `pipeline.X`): a package cannot stand on two floors.
+FLOORS: list[tuple[str, ...]] = [
     ("pipeline.errors", "pipeline.faults", "pipeline.seeds", "pipeline.stopwatch"),
     ("kernels",),
     ("pipeline.model",),
@@ -22,26 +24,30 @@ STAGES: list[tuple[str, ...]] = [
     ("pipeline.source",),
     ("pipeline.plan",),
     ("pipeline.output",),
+    ("pipeline.task",),
     ("pipeline.perf",),
     ("pipeline.job", "pipeline.preflight"),
-    ("pipeline.__main__", "pipeline.probe", "pipeline.verify", "pipeline.roofline"),
+    ("pipeline.__main__", "pipeline.probe", "pipeline.roofline", "pipeline.verify"),
 ]
 # The engine runs a model it is handed; loading files is the job's (through pipeline.parallel.runner).
 ENGINE_MUST_NOT_IMPORT = ("pipeline.model.loader", "pipeline.model.gguf_file", "pipeline.model.hf_file",
                           "pipeline.model.gguf_format", "pipeline.model.tokenizer")
 
 
-def stage_of(module: str) -> int:
+def unit_of(module: str) -> str:
+    """The package or top-level module that `module` belongs to: `kernels`, or `pipeline.X`."""
+    parts = module.split(".")
+    return parts[0] if parts[0] == "kernels" else ".".join(parts[:2])
+
+
+def floor_of(module: str) -> int:
     if module == "pipeline":  # the package itself holds only its version
         return 0
-    best, stage = -1, None
-    for i, prefixes in enumerate(STAGES):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, stage = len(p), i
-    if stage is None:
-        raise AssertionError(f"{module} belongs to no stage in tests/test_layout.py")
-    return stage
+    unit = unit_of(module)
+    floor = next((i for i, units in enumerate(FLOORS) if unit in units), None)
+    if floor is None:
+        raise AssertionError(f"{unit} ({module}) stands on no floor in tests/test_layout.py")
+    return floor
 
 
 def modules() -> dict[str, Path]:
@@ -68,16 +74,17 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 GRAPH = {name: imports_of(name, path, set(modules())) for name, path in modules().items()}
 
 
+def test_each_floor_holds_whole_packages_and_each_package_has_one():
+    named = [unit for units in FLOORS for unit in units]
+    assert [unit for unit in named if unit_of(unit) != unit] == []  # no module of a package on a floor of its own
+    assert len(named) == len(set(named))
+    assert set(named) == {unit_of(m) for m in GRAPH if m != "pipeline"}  # and none left out, none stale
+
+
 @pytest.mark.parametrize("name", sorted(GRAPH))
-def test_imports_point_to_the_same_or_an_earlier_stage(name):
-    later = [m for m in GRAPH[name] if stage_of(m) > stage_of(name) and not name.startswith(m + ".")]
-    assert not later, f"{name} imports later stages: {later}"
-
-
-def test_the_model_knows_nothing_of_parallelism_but_its_collectives():
-    for name, deps in GRAPH.items():
-        if name.startswith("pipeline.model"):
-            assert not {d for d in deps if d.startswith("pipeline.parallel")}, name
+def test_imports_point_to_the_same_or_a_lower_floor(name):
+    higher = [m for m in GRAPH[name] if floor_of(m) > floor_of(name)]
+    assert not higher, f"{name} (floor {floor_of(name)}) imports higher floors: {higher}"
 
 
 def test_the_engine_loads_no_files():
