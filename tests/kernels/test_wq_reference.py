@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import wq_reference
 from kernels.wq_reference import (
     dequantize,
     pack_int4,
@@ -94,3 +95,19 @@ def test_bad_bits_and_groups():
         quantize_int4(torch.zeros(2, 48), 32)
     with pytest.raises(ValueError, match="divide"):
         dequantize(torch.zeros(2, 48, dtype=torch.int8), torch.ones(2, 5), None, 8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_slice_by_slice_equals_one_whole_pass(monkeypatch, bits):
+    """The quantizers run a weight in row slices (cache-sized); slices of one row and of the whole weight
+    must give the same bytes, zero rows and a row count the slice does not divide included."""
+    w = torch.randn(37, 128, generator=torch.Generator().manual_seed(3))
+    w[5] = 0.0
+
+    def quantize():
+        return quantize_int4(w, 32) if bits == 4 else quantize_int8(w, bound=63)
+
+    monkeypatch.setattr(wq_reference, "SLICE_ELEMENTS", 128 * 37)
+    whole = quantize()
+    monkeypatch.setattr(wq_reference, "SLICE_ELEMENTS", 3 * 128)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(whole, quantize()))
