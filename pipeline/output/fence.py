@@ -35,7 +35,7 @@ import logging
 import os
 import posixpath
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -43,7 +43,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.errors import JobError, LeaseHeld
 from pipeline.faults import fault_point
 from pipeline.output.exclusive import create_exclusive
-from pipeline.output.ledger import write_whole
+from pipeline.output.ledger import Put, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,6 @@ _EPOCH = re.compile(r"\.?(\d{8})[-.]")  # every name in the folder starts with i
 _SLOT = re.compile(r"(\d{8})-(\d{8})\.json")
 # What a seal or a release sweeps: staged files and `write_whole`'s temp files of them, the marker, `E.released`.
 _SWEPT = re.compile(r"\.?\d{8}-\d{8}\.\d+\..+|\d{8}-00000000\.json|\d{8}\.released")
-
-# Writes `data` whole at a path, `point` naming its fault points (`write_whole`'s): `Fence.commit` yields one
-# that stages the file, to be moved into place once the commit is allowed.
-Put = Callable[[str, bytes, str], None]
 
 
 class Fenced(LeaseHeld):

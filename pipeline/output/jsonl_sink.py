@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.output import jsonl_rows
-from pipeline.output.fence import Put
+from pipeline.output.ledger import Put
 from pipeline.output.openai_responses import request_hash, response_line
 from pipeline.output.sink import PartInfo, Sink
 

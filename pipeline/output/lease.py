@@ -41,8 +41,8 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.errors import JobError, LeaseHeld
 from pipeline.faults import fault_point
 from pipeline.output.exclusive import create_exclusive
-from pipeline.output.fence import Fence, Fenced, Put, overlaps
-from pipeline.output.ledger import write_whole
+from pipeline.output.fence import Fence, Fenced, overlaps
+from pipeline.output.ledger import Put, write_whole
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import posixpath
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -37,13 +37,13 @@ from pipeline.errors import JobError
 from pipeline.faults import fault_point
 from pipeline.output import jsonl_rows
 
-if TYPE_CHECKING:
-    from pipeline.output.fence import Put
-
 PART_PREFIX = "part-"
 PART_SUFFIXES = (".parquet", ".jsonl")  # Parquet parts; JSON Lines parts (output.format=jsonl, openai_batch)
 _TEMP_NAME = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # `write_whole`'s temp files
 PROGRESS_DIR = "_progress"
+# Writes `data` whole at a path, `point` naming its fault points: `write_whole` on a filesystem, or the `put`
+# of a fenced commit (pipeline/output/fence.py), which stages the file and moves it into place once allowed.
+Put = Callable[[str, bytes, str], None]
 SUCCESS_FILE = "_SUCCESS"
 # A part's key-value metadata: the input rows it holds (JSON list, in part order, each one's index in the
 # whole input in listing order), so a later run knows them even when the planned order has changed since.

@@ -23,8 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from pipeline.output.fence import Put
-from pipeline.output.ledger import INPUT_ROWS_KEY, part_name, write_whole
+from pipeline.output.ledger import INPUT_ROWS_KEY, Put, part_name, write_whole
 
 # Only part files have visible names: dataset readers (pyarrow.dataset, polars, Spark, `datasets`) skip
 # names starting with "_" or ".", so everything else the job writes is named that way.
