@@ -3,11 +3,11 @@
 Why: a batch job on preemptible machines dies at arbitrary instants. The protocol makes each unit's
 output appear atomically and records it only afterwards:
 
-1. the unit's part (Parquet or JSON Lines) is written whole under its final name by the sink through
-   `write_whole` (local disk: temp file + fsync + rename; object store: one PUT of the final key, visible
-   all at once);
+1. the unit's part (Parquet or JSON Lines) appears whole under its final name (`write_whole`: local disk:
+   temp file + fsync + rename; object store: one PUT of the final key, visible all at once; in a job, the
+   lease's fence stages it so and moves it into place once the writer's claim succeeded: fence.py);
 2. then the ledger record `_progress/<unit>.json` (row count, checksum of the ids, part name and size, and
-   the digests of the input rows the unit was planned from: pipeline/plan/digests.py) is written the same
+   the digests of the input rows the unit was planned from: pipeline/plan/digests.py) appears the same
    way. **The record is the commit point.**
 
 A part without a record is an interrupted attempt: it is never read as a result and is overwritten when
