@@ -70,7 +70,7 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     mins = torch.empty_like(scales)
     for rows in _row_slices(w):
         wg = w[rows].float().reshape(-1, k // group_size, group_size)
-        lo, hi = torch.aminmax(wg, dim=-1)
+        lo, hi = wg.amin(-1), wg.amax(-1)  # torch.aminmax over a short last dimension ran ~5x slower
         scales[rows] = (hi - lo) / 15
         mins[rows] = lo
         s = scales[rows].float().unsqueeze(-1)
