@@ -78,7 +78,7 @@ def read_output(url: str) -> list[dict]:
         rec = json.loads(fs.cat_file(rec_path))
         with fs.open(f"{root}/{rec['part']}", "rb") as f:
             rows += pq.read_table(f).to_pylist()
-    return sorted(rows, key=lambda r: (str(r["id"]), r["sample_index"]))
+    return sorted(rows, key=lambda r: (str(r["id"]), r.get("sample_index", 0)))  # score, embed: one row per id
 
 
 def wait_for(condition, timeout_s: float = 60, every_s: float = 0.02) -> None:
