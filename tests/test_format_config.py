@@ -25,6 +25,7 @@ def test_output_format_auto_follows_the_input():
     (("output.format=xml",), "output.format"),
     (("input.format=openai_batch", "output.retry_errors=true"), "output.retry_errors"),
     (("output.format=openai_batch", "output.retry_errors=true"), "output.retry_errors"),
+    (("task=score", "output.format=openai_batch"), "task=score writes parquet or jsonl"),
 ])
 def test_bad_formats_fail_at_start(overrides, words):
     with pytest.raises(JobError, match=words):

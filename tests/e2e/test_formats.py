@@ -13,7 +13,7 @@ import jsonschema
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from openai.types import BatchError, Completion
+from openai.types import BatchError, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from pipeline.config import load_job_config
@@ -100,6 +100,22 @@ def test_n_samples_per_request_are_its_choices(tiny_model_dir, tmp_path):
         body = ChatCompletion.model_validate(by_id[custom_id]["response"]["body"])
         assert [c.index for c in body.choices] == [0, 1] and 2 <= body.usage.completion_tokens <= 12
     assert "n=1: this job writes sampling.n=2" in by_id["r2"]["error"]["message"]
+    assert verify_output(str(tmp_path / "out")).ok
+
+
+def test_embedding_requests_under_task_embed(tiny_model_dir, tmp_path):
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "text-embedding-3-small", "input": f"Sentence number {i}."}} for i in range(5)]
+    lines.append({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": []}})
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_job(tiny_model_dir, tmp_path / "b.jsonl", tmp_path / "out", "input.format=openai_batch", "task=embed")
+    by_id = {line["custom_id"]: line for line in read_lines(str(tmp_path / "out"))}
+    for i in range(5):
+        body = CreateEmbeddingResponse.model_validate(by_id[f"e{i}"]["response"]["body"])
+        assert len(body.data) == 1 and len(body.data[0].embedding) == 128  # the tiny model's hidden size
+        assert body.usage.prompt_tokens == body.usage.total_tokens > 0
+    assert "/v1/chat/completions requests need task=generate; this job's task is embed" in by_id["c"]["error"][
+        "message"]
     assert verify_output(str(tmp_path / "out")).ok
 
 
