@@ -22,7 +22,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.engine.config import EngineConfig, SpeculativeConfig
+from pipeline.engine.config import EngineConfig, SpeculativeConfig, parse_bytes
 from pipeline.engine.prefill import Embed
 from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
@@ -144,6 +144,7 @@ class ModelSection:
     # keep what a quantized start derives from the model file on this CPU (pipeline/model/startup_cache.py)
     startup_cache: bool = True
     startup_cache_dir: str | None = None  # null: ~/.cache/llm-batch-pipeline/startup
+    startup_cache_max_size: str | int = "10GiB"  # the entries used longest ago are deleted past this
     lora: LoraSection = field(default_factory=LoraSection)
 
 
@@ -275,7 +276,7 @@ class JobConfig:
         spec = resolved.get("speculative") or {}
         speculative = {"speculative": spec} if spec.get("method", "none") != "none" else {}
         # where a copy lives, and the start-up cache (it stores what a start would compute): no matter
-        model = {k: v for k, v in resolved["model"].items() if k not in ("cache_dir", "startup_cache", "startup_cache_dir")}
+        model = {k: v for k, v in resolved["model"].items() if k not in _LOCAL_MODEL_KEYS}
         lora = model.pop("lora", None) or {}  # which adapters a name means, not how many stay resident
         if lora.get("adapters"):
             model["lora_adapters"] = lora["adapters"]
@@ -299,6 +300,8 @@ class JobConfig:
         }
 
 
+# Model keys about where files live on this machine, not what a row produces: not in the fingerprint.
+_LOCAL_MODEL_KEYS = ("cache_dir", "startup_cache", "startup_cache_dir", "startup_cache_max_size")
 # Engine settings that change speed or memory but not what a (float32, greedy or seeded) row produces; any
 # other engine key (including ones added later) is part of the fingerprint, to err on the side of refusing.
 _SPEED_ONLY_ENGINE_KEYS = ("block_size", "kv_cache_memory", "max_batched_tokens", "max_batch_size",
@@ -500,6 +503,10 @@ def load_job_config(cfg: DictConfig) -> JobConfig:
     _choice("model.quant_lm_head", schema.model.quant_lm_head, LM_HEAD_CHOICES)
     _choice("model.kv_cache_dtype", schema.model.kv_cache_dtype, ("auto", "float32", "bfloat16", "int8"))
     _choice("model.quant_group_size", schema.model.quant_group_size, QUANT_GROUP_SIZES)
+    try:
+        parse_bytes(schema.model.startup_cache_max_size, "model.startup_cache_max_size")
+    except ValueError as e:
+        raise JobError(f"invalid config: {e}") from None
     _choice("progress.mode", schema.progress.mode, PROGRESS_MODES)
     _positive("progress.log_every_s", schema.progress.log_every_s)
     _positive("output.report_interval_s", schema.output.report_interval_s)

@@ -145,9 +145,11 @@ def _startup_cache(cfg: JobConfig) -> StartupCache | None:
     """The startup cache of a quantized one-rank job (`model.startup_cache`), else None."""
     if not cfg.model.startup_cache or cfg.model.quant == "none" or cfg.engine.tensor_parallel > 1:
         return None
+    from pipeline.engine.config import parse_bytes
     from pipeline.model.startup_cache import StartupCache
 
-    return StartupCache(cfg.model.startup_cache_dir)
+    size = parse_bytes(cfg.model.startup_cache_max_size, "model.startup_cache_max_size")
+    return StartupCache(cfg.model.startup_cache_dir, size)
 
 
 def _cached_probe(cache: StartupCache) -> Callable[[], ProbeResult]:

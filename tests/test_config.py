@@ -77,6 +77,7 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override, key):
     ("engine.max_batch_size=0", "engine.max_batch_size must be an integer >= 1 or auto, got 0"),
     ("engine.max_batch_size=big", "engine.max_batch_size must be an integer >= 1 or auto, got 'big'"),
     ("engine.kv_cache_memory=lots", "engine.kv_cache_memory"),
+    ("model.startup_cache_max_size=lots", "model.startup_cache_max_size must be a byte size"),
     ("engine.device=tpu", "engine.device"),
     ("input.truncate=right", "input.truncate"),
     ("input.sampling_columns=[n]", "input.sampling_columns"),

@@ -12,19 +12,19 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: str | int, key: str = "kv_cache_memory") -> int:
+def parse_bytes(value: str | int, key: str = "engine.kv_cache_memory") -> int:
     """`2GiB`, `512MB`, `1e9` or an int -> bytes (> 0)."""
     if isinstance(value, bool):
-        raise ValueError(f"engine.{key} must be a byte size like '2GiB' or an integer, got {value!r}")
+        raise ValueError(f"{key} must be a byte size like '2GiB' or an integer, got {value!r}")
     if isinstance(value, int):
         n = value
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"engine.{key} must be a byte size like '2GiB' or '512MB', got {value!r}")
+            raise ValueError(f"{key} must be a byte size like '2GiB' or '512MB', got {value!r}")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ValueError(f"engine.{key} must be > 0 bytes, got {value!r}")
+        raise ValueError(f"{key} must be > 0 bytes, got {value!r}")
     return n
 
 

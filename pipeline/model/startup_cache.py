@@ -14,6 +14,10 @@ written after it, each by an atomic rename; a reader checks the payload's size a
 truncated or damaged entry is rebuilt, never trusted. Jobs sharing a cache folder (Slurm tasks on one node)
 build an entry once: the first takes the entry's file lock and builds, the others wait and read.
 
+The folder is kept under a size budget (`model.startup_cache_max_size`): after an entry is written, the
+entries used longest ago (read or written: their seal's modification time) are deleted until the rest fit,
+so entries of an older package version or another model file do not pile up (a 1B model's entry is ~2 GB).
+
 Model entries are pickles (`torch.save` of the module): load them only from a folder you trust, as you
 would the model file itself.
 """
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _CHUNK = 8 << 20
+DEFAULT_MAX_BYTES = 10 << 30
 _SOURCE_ROOTS = ("pipeline/model", "kernels")  # the code that shapes what an entry holds
 
 
@@ -64,8 +69,9 @@ class DamagedEntry(Exception):
 class StartupCache:
     """One cache folder; `fetch` reads an entry or builds and stores it."""
 
-    def __init__(self, root: str | Path | None = None):
+    def __init__(self, root: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
         self.root = Path(root).expanduser() if root else package_cache_dir("startup")
+        self.max_bytes = max_bytes
         self.read = self.built = 0  # entries this process read, and built (reported in _metrics.json)
 
     def as_dict(self) -> dict[str, Any]:
@@ -131,9 +137,11 @@ class StartupCache:
         if seal != found:
             raise DamagedEntry(f"{found[0]} bytes that do not match the recorded size and sha256")
         try:
-            return load(path)
+            value = load(path)
         except Exception as e:  # a payload that hashes right but does not decode: written by other code
             raise DamagedEntry(f"cannot decode it: {e}") from None
+        (self.root / f"{name}.sha256").touch()  # used now: the last to be evicted
+        return value
 
     def _write(self, name: str, value: T, dump: Callable[[T, BinaryIO], None]) -> None:
         """The payload, then its seal, each written to a temporary file and renamed into place."""
@@ -141,6 +149,30 @@ class StartupCache:
         _atomic_write(path, lambda f: dump(value, f))
         seal = f"{path.stat().st_size} {_content_hash([path])}\n".encode()
         _atomic_write(self.root / f"{name}.sha256", lambda f: f.write(seal))
+        self._evict(keep=name)
+
+    def _evict(self, keep: str) -> None:
+        """Delete the entries used longest ago (by their seal's modification time) until the folder's entries
+        fit `max_bytes`; never `keep`, the entry just written. An entry another job has open stays readable
+        to it (its file is unlinked, not overwritten)."""
+        entries = []
+        for seal in self.root.glob("*.sha256"):
+            payload = seal.with_suffix("")
+            try:
+                entries.append((seal.stat().st_mtime_ns, payload.stat().st_size, payload, seal))
+            except OSError:  # removed meanwhile, or a seal without its payload
+                continue
+        total = sum(size for _, size, _, _ in entries)
+        for _, size, payload, seal in sorted(entries, key=lambda e: e[0]):
+            if total <= self.max_bytes:
+                break
+            if payload.name == keep:
+                continue
+            seal.unlink(missing_ok=True)
+            payload.unlink(missing_ok=True)
+            total -= size
+            log.info("startup cache: evicted %s (%.1f MB) to keep the folder under %.1f GB", payload.name,
+                     size / 1e6, self.max_bytes / 1e9)
 
 
 def _name(kind: str, **ident: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,22 @@ def test_no_entry_for_a_load_with_nothing_slow_to_keep(tmp_path, tiny_model_dir)
     assert load_model(tiny_model_dir, startup_cache=cache).cache_key is None  # the float model
     assert load_model(tiny_model_dir, quant="int8", startup_cache=cache).cache_key is None  # weight-only
     assert not any(tmp_path.iterdir())
+
+
+def test_the_folder_keeps_the_entries_used_last_within_its_size(tmp_path):
+    """Past `max_bytes` the entries used longest ago go first (a read counts as a use), never the one
+    just written; what is left still reads back."""
+    cache = StartupCache(tmp_path, max_bytes=3500)  # three entries of ~1,000 bytes fit
+    names = [cache.key("figures", i=i) for i in range(3)]
+    for age, name in enumerate(names):
+        cache.fetch(name, lambda: "x" * 1000, *JSON_ENTRY)
+        os.utime(tmp_path / f"{name}.sha256", ns=(age * 10**9, age * 10**9))  # written in this order
+    assert cache.fetch(names[0], lambda: "rebuilt", *JSON_ENTRY) == "x" * 1000  # read: now the latest used
+    cache.max_bytes = 2100  # two fit
+    cache.fetch(cache.key("figures", i=3), lambda: "y" * 1000, *JSON_ENTRY)
+    left = {p.name for p in tmp_path.iterdir() if not p.name.endswith((".lock", ".sha256"))}
+    assert left == {names[0], cache.key("figures", i=3)}  # names[1] and names[2] were used longest ago
+    assert cache.fetch(names[0], lambda: "rebuilt", *JSON_ENTRY) == "x" * 1000
+    huge = StartupCache(tmp_path, max_bytes=10)
+    assert huge.fetch(huge.key("big"), lambda: "z" * 100, *JSON_ENTRY) == "z" * 100  # kept though over budget
+    assert (tmp_path / huge.key("big")).is_file()
