@@ -309,11 +309,12 @@ class GpuRunner:
     def execute_hidden(self, batch: StepBatch) -> torch.Tensor:
         """Run one step eagerly; the final hidden states [len(batch.logits_rows), hidden] of the wanted rows
         (steps with embedding rows: the engine applies the head to the rows that want logits)."""
+        lora = self.model.lora_step(batch.lora_slots)
         plan = self._plan(batch)
         self.attn.copy_blocks(plan.copies)
         step = StepViews.of(plan, self.upload(plan.flat))
         self.attn.step = step
-        return self.model(step.input_ids, step.positions, self.attn).index_select(0, step.logits_rows)
+        return self.model(step.input_ids, step.positions, self.attn, lora).index_select(0, step.logits_rows)
 
     def _plan(self, batch: StepBatch, bucket: int | None = None) -> StepPlan:
         return plan_step(batch, self.block_size, self.num_kv_heads, self.num_sms, self.group, pad_to=bucket,
