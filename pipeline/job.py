@@ -39,6 +39,7 @@ from pipeline.task import RowBuilder, RowTask, row_builder, row_task
 if TYPE_CHECKING:
     from pipeline.engine.batch_tuning import BatchChoice
     from pipeline.engine.engine import Engine
+    from pipeline.model.cpu_kernels import CpuKernels
     from pipeline.model.llama import LlamaModel
     from pipeline.model.loader import LoadedModel
     from pipeline.model.quant_choice import QuantChoice
@@ -482,6 +483,7 @@ def _model_metrics(cfg: JobConfig, inp: _Input, model: _Model) -> dict[str, Any]
     """`_metrics.json`'s model: what was loaded, as what model.quant resolved to, and what its kernels ran."""
     loaded, options = model.loaded, model.options
     kernels = _KernelReport.of(loaded.model)  # the run's step counts
+    cpu = _cpu_kernels(loaded.model)
     return {"name": inp.model_name, "path": inp.model_path, "loaded_name": loaded.name,
             "dtype": cfg.model_dtype, "quant": options["quant"], "w8a8_rows": options["w8a8_rows"],
             "quant_lm_head": options["quant_lm_head"],
@@ -492,6 +494,7 @@ def _model_metrics(cfg: JobConfig, inp: _Input, model: _Model) -> dict[str, Any]
             "int8_weight_bound": kernels.weight_bound,
             "native_layer_steps": kernels.native_layer_steps,
             "compiled_layers": kernels.compiled,
+            "cpu_kernels": None if cpu is None else cpu.as_dict(),
             "startup_cache": None if model.cache is None else model.cache.as_dict()}
 
 
@@ -641,11 +644,18 @@ def _log_loaded(model: _Model, seconds: float) -> None:
     """What was loaded, in `seconds` since the job started, and which kernels it runs."""
     loaded = model.loaded
     log.info("model %s loaded in %.1f s (%d weight bytes)", loaded.name, seconds, loaded.weight_bytes)
-    kernels = _KernelReport.of(loaded.model)
-    for part, gemm in kernels.int8_gemm.items():
-        log.info("W8A8 int8 GEMM, %s: %s; weights within +-%s", part, gemm, kernels.weight_bound)
+    kernels = _cpu_kernels(loaded.model)
+    if kernels is not None:
+        log.info("CPU kernels: %s", kernels.line())
     cache = model.cache
     if cache is not None:
         log.info("startup cache %s: %d entries read, %d built", cache.root, cache.read, cache.built)
-    if loaded.model.native_layers is not None:
-        log.info("W8A8 steps run the decoder layers in one native call (PIPELINE_NATIVE without decode: torch ops)")
+
+
+def _cpu_kernels(model: LlamaModel) -> CpuKernels | None:
+    """Which CPU kernels the model runs (`pipeline.model.cpu_kernels`); None on a GPU."""
+    if model.norm.weight.device.type != "cpu":
+        return None
+    from pipeline.model.cpu_kernels import CpuFeatures, cpu_kernels
+
+    return cpu_kernels(model, CpuFeatures.here())
