@@ -12,6 +12,7 @@ admission waits for one to free (a running sample always finishes, so it never w
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from pipeline.engine.sequence import Sequence
 from pipeline.model.config import ModelConfig
 from pipeline.model.lora.peft_file import AdapterError, read_adapter
 from pipeline.model.remote import cached_model, is_url
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ def check_adapter(name: str, source: str, model: ModelConfig, cache_dir: str | N
     folder = adapter_folder(source, cache_dir)
     if not folder.is_dir():
         raise AdapterError(f"adapter {name!r}: {source} is not a folder")
-    read_adapter(folder, model, name)
+    adapter = read_adapter(folder, model, name)
+    log.info("LoRA adapter %r (%s): rank %d, scale %.4g, on %s", name, folder, adapter.rank, adapter.scale,
+             ", ".join(adapter.targets))
     return folder
 
 

@@ -68,7 +68,6 @@ class LoraTable:
                 linear.lora_id = len(self.linears)
                 self.linears.append(linear)
         self.pairs: list[list[Pair | None]] = [[None] * slots for _ in self.linears]
-        self.names: list[str | None] = [None] * slots  # the adapter in each slot
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Place `adapter` in `slot` (whatever was there is dropped)."""
@@ -85,7 +84,6 @@ class LoraTable:
                 parts = grouped.get((i, name))
                 if parts:
                     self.pairs[linear.lora_id][slot] = linear_pair(linear, parts, adapter.scale, dtype, device)
-        self.names[slot] = adapter.name
 
     def step(self, slots: torch.Tensor) -> LoraStep | None:
         """The step whose token t runs the adapter in slot `slots[t]` (-1: the base model alone), or None
