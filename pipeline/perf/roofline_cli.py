@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from omegaconf import OmegaConf
 
-from pipeline.config import resolve_dtype
+from pipeline.config import resolve_dtype, resolve_kv_dtype
 from pipeline.errors import JobError
 from pipeline.model.config import ModelConfig, read_json
 from pipeline.model.roofline import (
@@ -131,22 +131,68 @@ def sample_prompts(job, tokenizer, max_model_len: int, rows: int) -> tuple[list[
     return seqs, source.total_rows
 
 
+# ------------------------------------------------------------------------------------- what a step runs in
+Regime = tuple[str, str]  # (weight precision, compute dtype) of a step
+
+
+def quant_regime(job, cfg: ModelConfig, hw: HardwareProfile, on_cpu: bool, model_path: str,
+                 model_dtype: str, tp: int) -> tuple[Callable[[int], Regime], str]:
+    """The weights and arithmetic a step of `rows` rows runs in under the job's model.quant, resolved as the job
+    resolves it (auto: on one CPU rank by `choose_quant` from this profile, else the float weights), and a note
+    saying what was resolved. Weight-only linears run torch's bf16-activation kernels where they are fast
+    here, else dequantize per call in float32; from `w8a8_rows` rows they switch to int8 weights and
+    arithmetic."""
+    from kernels.wq_cpu import weight_only_kernels_fast
+    from pipeline.model.quant_choice import WEIGHT_ONLY_PRECISION, choose_quant, dequantized_per_call
+
+    dtype = precision(model_dtype).name
+    scheme, rows, why = job.model.quant, job.model.quant_w8a8_rows, f"model.quant={job.model.quant}"
+    if scheme == "auto":
+        if not on_cpu or tp > 1:
+            scheme, rows, why = "none", None, "model.quant=auto -> none (a GPU or tensor parallelism: the float weights)"
+        else:
+            weight_only = "gguf" if model_path.endswith(".gguf") else "int4"
+            choice = choose_quant(cfg, hw, weight_only, weight_only_kernels_fast(), job.engine.batch_limit)
+            scheme, rows, why = choice.scheme, choice.w8a8_rows, f"model.quant=auto -> {choice.reason}"
+    if scheme in ("none", "fp8", "w8a8"):
+        fixed = {"none": (dtype, dtype), "fp8": ("fp8", "fp8"), "w8a8": ("int8", "int8")}[scheme]
+        return (lambda _rows: fixed), why
+    weights = precision(WEIGHT_ONLY_PRECISION[scheme] if scheme != "int4" else f"int4-g{job.model.quant_group_size}")
+    compute = "bf16" if on_cpu and "bf16" in hw.flops and weight_only_kernels_fast() else dtype
+    if on_cpu and compute == "fp32":
+        weights = dequantized_per_call(weights)
+
+    def regime(batch: int) -> Regime:
+        return ("int8", "int8") if rows is not None and batch >= rows else (weights.name, compute)
+
+    return regime, why
+
+
 # ------------------------------------------------------------------------------------------ the figures
 def plan_figures(
     cfg: ModelConfig, hw: HardwareProfile, opts: RooflineOptions, *, model_dtype: str, batch: int,
     max_tokens: int, kv_budget: int, chunk_tokens: int, prompts: list[list[int]] | None = None,
-    total_rows: int | None = None,
+    total_rows: int | None = None, regime: Callable[[int], Regime] | None = None, kv_dtype: str | None = None,
 ) -> dict:
-    """Every number the table shows, as plain data."""
+    """Every number the table shows, as plain data. `regime` gives the weights and arithmetic a step of a given
+    batch runs in (`quant_regime`: model.quant as the job resolves it); `roofline.weights` and
+    `roofline.compute_dtype` override it, and without either the model's dtype is used throughout. The KV cache
+    is in `roofline.kv_dtype`, else `kv_dtype` (the job's), else the model's dtype."""
     dtype = precision(model_dtype).name
-    roof = Roofline.of(cfg, hw, dtype, opts.weights, opts.kv_dtype, opts.compute_dtype, opts.tp)
     batch = opts.batch if opts.batch is not None else batch
+
+    def roof_at(rows: int) -> Roofline:
+        weights, compute = regime(rows) if regime is not None else (None, None)
+        return Roofline.of(cfg, hw, dtype, opts.weights or weights, opts.kv_dtype or kv_dtype,
+                           opts.compute_dtype or compute, opts.tp)
+
+    roof = roof_at(batch)
     mean_prompt = sum(map(len, prompts)) / len(prompts) if prompts else None
     # a decode step attends on average over the prompt and half the output; memory must hold all of it
     prompt = mean_prompt or 512
     context = opts.context if opts.context is not None else int(prompt + max_tokens / 2)
     full = max(1, opts.context if opts.context is not None else int(prompt + max_tokens))
-    one, many = roof.ceiling(1, context), roof.ceiling(batch, context)
+    one, many = roof_at(1).ceiling(1, context), roof.ceiling(batch, context)
     kv_token = kv_bytes_per_token(cfg, roof.kv_dtype)
     out = {
         "model": {"parameters": cfg.num_parameters(), "layers": cfg.num_layers, "heads": cfg.num_heads,
@@ -169,8 +215,9 @@ def plan_figures(
     out |= {
         "decode": [
             {"batch": c.batch, "tokens_per_s": c.tokens_per_s, "bound": c.bound, "intensity": c.intensity,
-             "bandwidth_bound": c.bandwidth_bound, "compute_bound": c.compute_bound}
-            for c in (one, many)
+             "bandwidth_bound": c.bandwidth_bound, "compute_bound": c.compute_bound,
+             "weights": r.weights.name, "compute_dtype": r.compute_dtype}
+            for c, r in ((one, roof_at(1)), (many, roof))
         ],
     }
     if prompts:
@@ -249,7 +296,8 @@ def format_table(name: str, f: dict) -> str:
     for d in f.get("decode", []):
         rows.append((f"decode batch {d['batch']}",
                      f"{d['tokens_per_s']:,.1f} tok/s ceiling, {d['bound']}-bound (memory {d['bandwidth_bound']:,.1f}, "
-                     f"compute {d['compute_bound']:,.1f}); {d['intensity']:.3g} FLOP/byte"))
+                     f"compute {d['compute_bound']:,.1f}); {d['intensity']:.3g} FLOP/byte; {d['weights']} weights, "
+                     f"{d['compute_dtype']} arithmetic"))
     if "prefill" in f:
         p, e = f["prefill"], f["estimate"]
         rows.append(("prefill (sample)",
@@ -269,6 +317,8 @@ def format_table(name: str, f: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from pipeline.model.loader import local_model_path
+
     job_args, hw_name, hw_over, opt_over = split_args(argv)
     try:
         opts = load_options(opt_over)
@@ -285,18 +335,23 @@ def main(argv: list[str]) -> int:
                 notes.append(f"input sample skipped (no prefill estimate): no tokenizer: {e}")
             else:
                 prompts, total = sample_prompts(job, tok, max_len, opts.sample_rows)
+        model_dtype = resolve_dtype(job.model.dtype, "cpu" if hw_name == "cpu" else "cuda")
+        regime, resolved = quant_regime(job, cfg, hw, hw_name == "cpu", str(local_model_path(job.model.path,
+                                        job.model.cache_dir)), model_dtype, opts.tp)
+        notes.append(resolved)
         figures = plan_figures(
-            cfg, hw, opts, model_dtype=resolve_dtype(job.model.dtype, "cpu" if hw_name == "cpu" else "cuda"),
-            batch=job.engine.batch_limit,
+            cfg, hw, opts, model_dtype=model_dtype, batch=job.engine.batch_limit,
             max_tokens=job.sampling.max_tokens, kv_budget=job.engine.kv_cache_bytes,
-            chunk_tokens=job.engine.max_batched_tokens, prompts=prompts, total_rows=total,
+            chunk_tokens=job.engine.max_batched_tokens, prompts=prompts, total_rows=total, regime=regime,
+            kv_dtype=resolve_kv_dtype(job.model.kv_cache_dtype, job.model.quant, model_dtype,
+                                      "cpu" if hw_name == "cpu" else "cuda"),
         )
     except (JobError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     figures["notes"] = notes
     figures["options"] = asdict(opts)
-    from pipeline.model.loader import checkpoint_name, local_model_path
+    from pipeline.model.loader import checkpoint_name
 
     name = job.model.name or checkpoint_name(local_model_path(job.model.path, job.model.cache_dir))
     print(json.dumps(figures, indent=2) if opts.json else format_table(name, figures))

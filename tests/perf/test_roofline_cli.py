@@ -127,3 +127,39 @@ def test_a_model_directory_with_config_json_alone_is_enough(capsys, tiny_model_d
     assert main([f"model.path={tmp_path}", f"input.path={input_path}", "hardware=h100"]) == 0
     table = capsys.readouterr().out
     assert "input sample skipped (no prefill estimate): no tokenizer" in table and "decode batch 1 " in table
+
+
+CPU_FIGURES = ["hardware=cpu", "hardware.bandwidth_tbs=0.0265", "hardware.memory_gb=24", "hardware.peak_tflops.fp32=0.32",
+               "hardware.peak_tflops.bf16=1.3", "hardware.peak_tflops.int8=4.0"]  # given: nothing measured
+
+
+def test_the_ceilings_follow_model_quant_as_the_job_resolves_it(capsys, tiny_model_dir):
+    """auto on a CPU: batch 1 in the weight-only scheme choose_quant picks, the engine's batch in W8A8 where it
+    is past the switch; a named scheme is taken as named, and roofline.weights still overrides."""
+    from kernels.wq_cpu import weight_only_kernels_fast
+    from pipeline.model.quant_choice import choose_quant, dequantized_per_call
+    from pipeline.model.roofline import precision
+    from pipeline.perf.probe import load_hardware
+
+    args = [f"model.path={tiny_model_dir}", *CPU_FIGURES, "roofline.sample_rows=0", "engine.max_batch_size=256"]
+    f = run_json(capsys, *args)
+    cfg = config_from_hf(json.loads((tiny_model_dir / "config.json").read_text()), "config.json")
+    hw = load_hardware("cpu", [a.removeprefix("hardware.") for a in CPU_FIGURES[1:]])
+    choice = choose_quant(cfg, hw, "int4", weight_only_kernels_fast(), 256)
+    one, top = f["decode"]
+    small = ("int4-g32", "bf16") if weight_only_kernels_fast() else ("int4-g32->fp32", "fp32")
+    below = choice.w8a8_rows is None or choice.w8a8_rows > 1
+    assert (one["weights"], one["compute_dtype"]) == (small if below else ("int8", "int8"))
+    past = choice.w8a8_rows is not None and choice.w8a8_rows <= 256
+    assert (top["weights"], top["compute_dtype"]) == (("int8", "int8") if past else small)
+    assert any(n.startswith("model.quant=auto -> ") for n in f["notes"])
+    weights = precision(top["weights"].removesuffix("->fp32"))
+    weights = dequantized_per_call(weights) if top["weights"].endswith("->fp32") else weights
+    assert top["tokens_per_s"] == pytest.approx(
+        decode_ceiling(cfg, hw, weights, 256, f["kv"]["context"], f["kv"]["dtype"], top["compute_dtype"]).tokens_per_s)
+    w8a8 = run_json(capsys, *args, "model.quant=w8a8")["decode"]
+    assert {(d["weights"], d["compute_dtype"]) for d in w8a8} == {("int8", "int8")}
+    exact = run_json(capsys, *args, "model.quant=none")["decode"]
+    assert {(d["weights"], d["compute_dtype"]) for d in exact} == {("fp32", "fp32")}
+    forced = run_json(capsys, *args, "roofline.weights=int8", "roofline.compute_dtype=fp32")["decode"]
+    assert {(d["weights"], d["compute_dtype"]) for d in forced} == {("int8", "fp32")}
