@@ -160,23 +160,26 @@ class Fence:
     def commit(self, what: str) -> Iterator[Put]:
         """Stage `what`'s files with the `Put` this yields; when the block ends, claim the next slot and move
         them into place in the order they were put. Fenced if this epoch was sealed (nothing moved, or, for a
-        commit whose claim came before the seal, at most its first files: no ledger record, no commit)."""
+        commit whose claim came before the seal, at most its first files: no ledger record, no commit).
+        Fault points: each file's `before_write` and `mid_write` while it is staged, `fence.claimed`, then
+        its `after_write` once it is in its place (so they mean what they mean for `write_whole`)."""
         k = self.seq + 1
-        moves: list[tuple[str, str]] = []  # (staged, final)
+        moves: list[tuple[str, str, str]] = []  # (staged, final, fault point)
 
         def stage(path: str, data: bytes, point: str) -> None:
             staged = self._path(f"{self.epoch:08d}-{k:08d}.{len(moves)}.{posixpath.basename(path)}")
-            write_whole(self.fs, staged, data, point)
-            moves.append((staged, path))
+            write_whole(self.fs, staged, data, point, staged=True)
+            moves.append((staged, path, point))
 
         try:
             yield stage
-            self._claim(k, what, [final for _, final in moves])
+            self._claim(k, what, [final for _, final, _ in moves])
             fault_point("fence.claimed")
-            for staged, final in moves:
+            for staged, final, point in moves:
                 self._move(staged, final, what, k)
+                fault_point(f"{point}.after_write")  # as for `write_whole`: the file is in its place
         except BaseException:
-            for staged, _ in moves:
+            for staged, _, _ in moves:
                 self._remove(staged)
             raise
         if k > 1:

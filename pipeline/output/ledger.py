@@ -103,18 +103,20 @@ class VerifyReport:
         return not self.errors
 
 
-def write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: str) -> None:
+def write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: str, staged: bool = False) -> None:
     """Make `data` appear at `path` all at once: no reader ever sees a partial file under the final name.
 
     `point` names the fault-injection points `<point>.before_write|mid_write|after_write` (see faults.py).
+    `staged`: `path` is a staging name (fence.py), whose mover passes `<point>.after_write` once the file
+    is in its place.
     """
     try:
-        _write_whole(fs, path, data, point)
+        _write_whole(fs, path, data, point, staged)
     except OSError as e:  # read-only, full disk, no permission: name the file and the cause
         raise JobError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: str) -> None:
+def _write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: str, staged: bool) -> None:
     fault_point(f"{point}.before_write")
     if isinstance(fs, LocalFileSystem):
         directory, name = posixpath.split(path)
@@ -132,7 +134,8 @@ def _write_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes, point: s
     else:
         fault_point(f"{point}.mid_write")
         fs.pipe_file(path, data)  # one PUT (a multipart upload is also only visible once completed)
-    fault_point(f"{point}.after_write")
+    if not staged:
+        fault_point(f"{point}.after_write")
 
 
 class Ledger:
