@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -140,3 +141,18 @@ def test_a_candidates_column_of_another_type_stops_the_job(tmp_path, tiny_model_
                                        r"expected string or list<string>"):
         run(score_job(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), stdout=io.StringIO())
     assert not (tmp_path / "out").exists()
+
+
+def test_json_lines_candidates_of_any_json_type(tmp_path, tiny_model_dir):
+    """JSON Lines rows carry any JSON value: a candidate that is a number or an object makes its row an error
+    row; a plain string is one candidate."""
+    lines = [{"id": "a", "prompt": "Pick one.", "candidates": [" yes", 3]},
+             {"id": "b", "prompt": "Pick one.", "candidates": {"text": " yes"}},
+             {"id": "c", "prompt": "Pick one.", "candidates": " yes"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run(score_job(tiny_model_dir, tmp_path / "in.jsonl", tmp_path / "out", "input.format=jsonl",
+                  "output.format=parquet"), stdout=io.StringIO())
+    out = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
+    assert out["a"]["error"] == "candidate 1 is not text: int"
+    assert out["b"]["error"] == "candidates must be a string or a list of strings, got dict (column 'candidates')"
+    assert out["c"]["error"] is None and len(out["c"]["scores"]) == 1
