@@ -71,10 +71,16 @@ class KernelChoice:
     int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.model.w8a8_gemm`)
     weight_bound: int | None = None  # the W8A8 weights' largest |int8| (`kernels.dispatch.w8a8_weight_bound`)
     native_layer_steps: int = 0  # W8A8 steps whose layers ran in one native call (`pipeline.model.native_decode`)
+    # the LM head's own switch to its compact copy (`QuantLMHead`); None: with the linears, at `w8a8_rows`
+    head_rows: int | None = None
 
     def uses_w8a8(self, rows: int) -> bool:
         """quant=w8a8 (no weight-only kernel) at any row count, even none; else from `w8a8_rows` rows."""
         return self.w8a8_rows is not None and (rows >= self.w8a8_rows or not self.weight_only)
+
+    def head_uses_compact(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the LM head's compact copy rather than its float weight."""
+        return rows >= self.head_rows if self.head_rows is not None else self.uses_w8a8(rows)
 
     def record(self, rows: int) -> None:
         self.steps["w8a8" if self.uses_w8a8(rows) else self.weight_only] += 1
@@ -418,7 +424,7 @@ class QuantLMHead(LMHead):
         self.fast_packed, self.fast_weight = handle, None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self.choice.uses_w8a8(hidden.shape[0]):
+        if not self.choice.head_uses_compact(hidden.shape[0]):
             return super().forward(hidden)
         if self.mode == "int8":
             logits = w8a8_matmul(self._int8_input(hidden), self.fast_weight, self.fast_scales, self.fast_packed).float()
@@ -433,7 +439,7 @@ class QuantLMHead(LMHead):
         the GEMM's outputs in one read pass and only the winning chunks' columns are recomputed."""
         fused = (self.mode == "int8" and hidden.device.type == "cpu" and self.tp.size == 1
                  and (self.columns is not None or hidden.dtype == torch.float32)  # float32 logits in forward
-                 and self.vocab_size >= 2 * ARGMAX_CHUNK and self.choice.uses_w8a8(hidden.shape[0]))
+                 and self.vocab_size >= 2 * ARGMAX_CHUNK and self.choice.head_uses_compact(hidden.shape[0]))
         if not fused:
             return super().greedy(hidden)
         weight = None if self.fast_packed is None else packed_weight(self.fast_packed)
@@ -619,7 +625,12 @@ def load_quantized(
         tensors = ckpt.tensors(torch.float32)
     model.load_weights(tensors)
     check_loaded(model)
-    attach_w8a8(model, scheme, w8a8_rows, lm_head, calibration)
+    choice = attach_w8a8(model, scheme, w8a8_rows, lm_head, calibration)
+    if prefer_speed and isinstance(model.lm_head, QuantLMHead):
+        # auto: the head's compact copy at every call. Below the switch the linears stay weight-only, but a
+        # float32 head is the largest single read of a small step (a 1B model's 49k x 2048 head: 400 MB
+        # against 550 MB for all its int4 linears); its int8 copy reads a quarter of that.
+        choice.head_rows = 1
     fast = model.dtype == CPU_ACTIVATION_DTYPE or ((w8a8_rows is not None or prefer_speed) and weight_only_kernels_fast())
     if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
         pack_model_for_cpu(model)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import vnni_gemm
-from kernels.dispatch import w8a8_weight_bound
+from kernels.dispatch import w8a8_matmul, w8a8_weight_bound
 from kernels.packed_int8 import pack_int8_weight, pack_native_int8_weight
 from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import quantize_int8, wq_matmul_reference
@@ -152,6 +152,21 @@ def test_weight_only_switches_to_w8a8_from_a_batch_size(tiny_model_dir):
     _logits(q, IDS[:2])  # 2 rows: weight-only
     assert q.model.kernel_choice.steps == {"w8a8": 1, "int4": 1}
     assert isinstance(q.model.lm_head, QuantLMHead)
+
+
+def test_auto_runs_the_compact_lm_head_below_the_switch_too(tiny_model_dir):
+    """Under prefer_speed (model.quant=auto) the LM head takes its int8 copy at every row count while the
+    linears stay weight-only below the switch; a named scheme keeps the float head there."""
+    hidden = torch.randn(2, load_model(tiny_model_dir).config.hidden_size)
+    for speed in (True, False):
+        q = load_model(tiny_model_dir, quant="int4", w8a8_rows=4, quant_lm_head="int8", prefer_speed=speed).model
+        head, choice = q.lm_head, q.kernel_choice
+        assert choice.head_rows == (1 if speed else None) and not choice.uses_w8a8(2)
+        float_logits = hidden @ head.weight.T
+        int8_logits = w8a8_matmul(head._int8_input(hidden), *head.int8_layout[:2], head.int8_layout[2]).float()
+        expected = int8_logits if speed else float_logits
+        torch.testing.assert_close(head(hidden), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        assert torch.equal(head.greedy(hidden), expected.argmax(-1))
 
 
 def test_uncalibrated_int8_w8a8_layout_shares_the_weight_where_it_fits_the_bound(tiny_model_dir, plain_int8_layouts):
