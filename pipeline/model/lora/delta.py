@@ -1,10 +1,14 @@
-"""The low-rank deltas of one step: each linear's base output gets, for every run of tokens that share an
-adapter, x[run] @ A^T @ B^T (scaled) added to the run's rows.
+"""The low-rank deltas of one step: each linear's base output gets, for the tokens of each adapter,
+x @ A^T @ B^T (scaled) added to their rows.
 
 Why segmented, not a merged weight per adapter: the base GEMM runs once for every token of the step,
 whatever its quantization, and an adapter costs only its two thin GEMMs over its own tokens, so many
-fine-tunes share one batch. The runner orders a step's tokens so that the decodes of one adapter are one
-run (`pipeline.engine.runner.build_batch`).
+fine-tunes share one batch. The runner orders a step's tokens so that the decodes of one adapter are one run
+(`pipeline.engine.runner.build_batch`). Short runs (decodes, short chunks) of several adapters are
+multiplied together: their tokens gathered into one [adapters, longest, in] block, two batched matmuls
+against the adapters' stacked pairs, and one scatter-add, so a step of many adapters costs a handful of
+operations per linear, not a pair per adapter (small matmuls are mostly call overhead on a CPU). Long runs
+(prefill chunks) get a matmul pair each at their adapter's own rank.
 
 A step binds its `LoraStep` for the length of a forward pass (`bound_lora`), as attention binds its backend;
 `ParallelLinear.forward` calls `add_lora` after its base product. Outside such a step it returns the base
@@ -15,13 +19,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 # (first token, end token, slot) of each run of consecutive tokens with the same adapter
 Segment = tuple[int, int, int]
+
+# Runs of at most this many tokens are multiplied together (batched); longer ones alone.
+SHORT_RUN = 32
+
+
+class Pairs(Protocol):
+    """The resident pairs a step multiplies by (`pipeline.model.lora.table.LoraTable`), per linear:
+    A^T stacked [slots, in, R] and B^T scaled [slots, R, out] (zero past each slot's own rank, and for a
+    slot whose adapter does not target the linear), and each slot's rank (0: not targeted)."""
+
+    a: list[torch.Tensor | None]
+    b: list[torch.Tensor | None]
+    ranks: list[list[int]]
 
 
 def segments_of(slots: torch.Tensor) -> list[Segment]:
@@ -37,21 +54,52 @@ def segments_of(slots: torch.Tensor) -> list[Segment]:
     return out
 
 
-@dataclass
 class LoraStep:
-    """One step's runs of adapter tokens and the resident pairs (`LoraTable.pairs`) they multiply by."""
+    """One step's adapter tokens: long runs, each alone, and the short runs gathered per slot into one
+    padded block (`rows` [S, L] token indices, padded with token 0); `order` picks each short-run token's
+    row of the block's flattened output, in token order, to add to `tokens` (a contiguous range where the
+    runner's layout makes it one: the decodes)."""
 
-    pairs: list[list[tuple[torch.Tensor, torch.Tensor] | None]]
-    segments: list[Segment]
+    def __init__(self, pairs: Pairs, segments: list[Segment], device: torch.device):
+        self.pairs = pairs
+        short = [s for s in segments if s[1] - s[0] <= SHORT_RUN]
+        tokens: dict[int, list[int]] = {}
+        for start, end, slot in short:
+            tokens.setdefault(slot, []).extend(range(start, end))
+        self.long = [s for s in segments if s[1] - s[0] > SHORT_RUN]
+        if len(tokens) < 2:  # one adapter's short runs: as cheap alone
+            self.long += short
+            tokens = {}
+        self.slots = sorted(tokens)
+        width = max((len(t) for t in tokens.values()), default=0)
+        rows = [tokens[s] + [0] * (width - len(tokens[s])) for s in self.slots]
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        at = {t: i * width + j for i, s in enumerate(self.slots) for j, t in enumerate(tokens[s])}
+        ordered = sorted(at)
+        self.order = torch.tensor([at[t] for t in ordered], dtype=torch.long, device=device)
+        contiguous = bool(ordered) and ordered[-1] - ordered[0] + 1 == len(ordered)
+        self.tokens: slice | torch.Tensor = slice(ordered[0], ordered[-1] + 1) if contiguous else \
+            torch.tensor(ordered, dtype=torch.long, device=device)
+        self.slot_index = torch.tensor(self.slots, dtype=torch.long, device=device)
 
     def apply(self, lora_id: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the linear's base output [T, out], updated in place) plus each run's delta."""
-        row = self.pairs[lora_id]
-        for start, end, slot in self.segments:
-            pair = row[slot]
-            if pair is not None:
-                a_t, b_t = pair
-                y[start:end].addmm_(x[start:end] @ a_t, b_t)
+        """y (the linear's base output [T, out], updated in place) plus the step's deltas."""
+        a, b, ranks = self.pairs.a[lora_id], self.pairs.b[lora_id], self.pairs.ranks[lora_id]
+        if a is None:
+            return y
+        for start, end, slot in self.long:
+            r = ranks[slot]
+            if r:
+                y[start:end].addmm_(x[start:end] @ a[slot, :, :r], b[slot, :r])
+        if self.slots and any(ranks[s] for s in self.slots):
+            if len(self.slots) < a.shape[0]:
+                a, b = a.index_select(0, self.slot_index), b.index_select(0, self.slot_index)
+            delta = torch.bmm(torch.bmm(x[self.rows], a), b)  # [S, L, out]
+            delta = delta.view(-1, delta.shape[-1]).index_select(0, self.order)  # the tokens' rows, in order
+            if isinstance(self.tokens, slice):
+                y[self.tokens] += delta
+            else:
+                y.index_add_(0, self.tokens, delta)
         return y
 
 

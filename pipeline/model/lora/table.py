@@ -23,7 +23,7 @@ LINEAR_OF = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("q
              "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
              "down_proj": ("down_proj", 0)}
 
-# A pair as a step multiplies: (A^T [in, R], B^T scaled [R, out]), contiguous.
+# A pair as a step multiplies: (A^T [in, r], B^T scaled [r, out]).
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -57,7 +57,9 @@ def linear_pair(linear: ParallelLinear, parts: dict[int, tuple[torch.Tensor, tor
 
 class LoraTable:
     """`slots` places for adapters on `model`'s linears. Each linear of a decoder layer gets `lora_id`, its
-    row in `pairs`; `pairs[lora_id][slot]` is None where the slot's adapter does not target it."""
+    index here; `a[lora_id]` [slots, in, R] and `b[lora_id]` [slots, R, out] stack the slots' pairs (R the
+    largest rank placed so far, zero past each slot's own and for slots whose adapter does not target the
+    linear), `ranks[lora_id][slot]` the slot's own (0: not targeted)."""
 
     def __init__(self, model: nn.Module, slots: int):
         self.model = model
@@ -67,7 +69,9 @@ class LoraTable:
             for linear in layer_linears(layer).values():
                 linear.lora_id = len(self.linears)
                 self.linears.append(linear)
-        self.pairs: list[list[Pair | None]] = [[None] * slots for _ in self.linears]
+        self.a: list[torch.Tensor | None] = [None] * len(self.linears)
+        self.b: list[torch.Tensor | None] = [None] * len(self.linears)
+        self.ranks: list[list[int]] = [[0] * slots for _ in self.linears]
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Place `adapter` in `slot` (whatever was there is dropped)."""
@@ -75,18 +79,36 @@ class LoraTable:
         for (layer, module), pair in adapter.pairs.items():
             linear, part = LINEAR_OF[module]
             grouped.setdefault((layer, linear), {})[part] = pair
-        weight = self.model.norm.weight
-        dtype, device = self.model.dtype, weight.device
-        for row in self.pairs:
-            row[slot] = None
+        dtype, device = self.model.dtype, self.model.norm.weight.device
         for i, layer in enumerate(self.model.layers):
             for name, linear in layer_linears(layer).items():
                 parts = grouped.get((i, name))
-                if parts:
-                    self.pairs[linear.lora_id][slot] = linear_pair(linear, parts, adapter.scale, dtype, device)
+                pair = linear_pair(linear, parts, adapter.scale, dtype, device) if parts else None
+                self._place(linear.lora_id, slot, pair)
+
+    def _place(self, lora_id: int, slot: int, pair: Pair | None) -> None:
+        """Write `pair` (None: nothing) into the stacks of linear `lora_id`, widening them to its rank."""
+        rank = 0 if pair is None else pair[0].shape[1]
+        self.ranks[lora_id][slot] = rank
+        a, b = self.a[lora_id], self.b[lora_id]
+        if pair is None and a is None:
+            return
+        if a is None or a.shape[2] < rank:
+            a_t, b_t = pair
+            wider_a = a_t.new_zeros(self.slots, a_t.shape[0], rank)
+            wider_b = b_t.new_zeros(self.slots, rank, b_t.shape[1])
+            if a is not None:
+                wider_a[:, :, : a.shape[2]] = a
+                wider_b[:, : b.shape[1]] = b
+            a, b = self.a[lora_id], self.b[lora_id] = wider_a, wider_b
+        a[slot].zero_()
+        b[slot].zero_()
+        if pair is not None:
+            a[slot, :, :rank] = pair[0]
+            b[slot, :rank] = pair[1]
 
     def step(self, slots: torch.Tensor) -> LoraStep | None:
         """The step whose token t runs the adapter in slot `slots[t]` (-1: the base model alone), or None
         when no token has one. `slots` is on the host."""
         segments = segments_of(slots)
-        return LoraStep(self.pairs, segments) if segments else None
+        return LoraStep(self, segments, self.model.norm.weight.device) if segments else None
