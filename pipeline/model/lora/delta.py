@@ -80,7 +80,10 @@ class LoraStep:
         contiguous = bool(ordered) and ordered[-1] - ordered[0] + 1 == len(ordered)
         self.tokens: slice | torch.Tensor = slice(ordered[0], ordered[-1] + 1) if contiguous else \
             torch.tensor(ordered, dtype=torch.long, device=device)
-        self.slot_index = torch.tensor(self.slots, dtype=torch.long, device=device)
+        # the slots' stacked pairs: a view where the slots are consecutive, else gathered per linear
+        consecutive = bool(self.slots) and self.slots[-1] - self.slots[0] + 1 == len(self.slots)
+        self.slot_pick: slice | torch.Tensor = slice(self.slots[0], self.slots[-1] + 1) if consecutive else \
+            torch.tensor(self.slots, dtype=torch.long, device=device)
 
     def apply(self, lora_id: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the linear's base output [T, out], updated in place) plus the step's deltas."""
@@ -92,8 +95,7 @@ class LoraStep:
             if r:
                 y[start:end].addmm_(x[start:end] @ a[slot, :, :r], b[slot, :r])
         if self.slots and any(ranks[s] for s in self.slots):
-            if len(self.slots) < a.shape[0]:
-                a, b = a.index_select(0, self.slot_index), b.index_select(0, self.slot_index)
+            a, b = a[self.slot_pick], b[self.slot_pick]
             delta = torch.bmm(torch.bmm(x[self.rows], a), b)  # [S, L, out]
             delta = delta.view(-1, delta.shape[-1]).index_select(0, self.order)  # the tokens' rows, in order
             if isinstance(self.tokens, slice):
