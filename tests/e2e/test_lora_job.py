@@ -61,3 +61,29 @@ def test_bad_configured_adapter_fails_at_start(tmp_path, tiny_model_dir, problem
     with pytest.raises(JobError, match=rf"invalid config `model.lora.adapters`: adapter 'x'.*{expected}"):
         run(cfg, stdout=io.StringIO())
     assert not (tmp_path / "out").exists()
+
+
+def test_fingerprint_names_the_adapters_not_how_many_stay_resident(tiny_model_dir):
+    from pipeline.config import load_job_config
+    from tests.test_config import compose_job
+
+    def fingerprint(*overrides):
+        return load_job_config(compose_job(*overrides)).fingerprint(str(tiny_model_dir))
+
+    plain = fingerprint()
+    assert "lora_column" not in plain["input"] and "lora_adapters" not in plain["model"]  # old outputs resume
+    with_adapters = fingerprint("input.lora_column=adapter", "model.lora.adapters={a: /x}")
+    assert with_adapters["input"]["lora_column"] == "adapter" and with_adapters["model"]["lora_adapters"] == {"a": "/x"}
+    assert fingerprint("input.lora_column=adapter", "model.lora.adapters={a: /x}", "model.lora.max_loaded=2") \
+        == with_adapters
+    assert fingerprint("input.lora_column=adapter", "model.lora.adapters={a: /y}") != with_adapters
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.lora.max_loaded=0", "model.lora.max_loaded"), ("model.lora.adapters=[a]", "model.lora.adapters")])
+def test_bad_lora_keys(override, message):
+    from pipeline.config import load_job_config
+    from tests.test_config import compose_job
+
+    with pytest.raises(JobError, match=rf"invalid config `{message}`"):
+        load_job_config(compose_job(override))
