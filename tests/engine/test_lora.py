@@ -42,7 +42,8 @@ def mixed_rows(count: int, seed: int = 0) -> list[tuple[list[int], str | None]]:
 
 
 def run(loaded, adapters, rows, max_batch_size: int, max_loaded: int = 4, **engine) -> dict:
-    config = EngineConfig(kv_cache_memory="64MiB", max_batched_tokens=256, max_batch_size=max_batch_size, **engine)
+    config = EngineConfig(**{"kv_cache_memory": "64MiB", "max_batched_tokens": 256, "max_batch_size": max_batch_size,
+                             **engine})
     eng = Engine(loaded, config, lora=LoraConfig({k: str(v) for k, v in adapters.items()}, max_loaded))
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     results = {r.id: r for r in eng.generate(Request(i, p, sampling, adapter=a) for i, (p, a) in enumerate(rows))}
@@ -141,3 +142,14 @@ def test_gpu_runner_applies_the_deltas_outside_graphs(tiny_model_dir, adapters, 
     results = {r.id: r.token_ids for r in engine.generate(
         Request(i, rows[i][0], sampling, adapter=rows[i][1]) for i in picked)}
     assert_only_near_ties({i: reference[i] for i in picked}, results, epsilon=1e-3)
+
+
+def test_preempted_rows_give_back_and_retake_their_adapter(tiny_model_dir, adapters, rows_and_reference):
+    """A KV pool of 6 blocks: rows are preempted and recomputed, releasing and retaking their adapter's
+    slot (two slots for three adapters); tokens unchanged, the pool and the slots free at the end."""
+    rows, reference = rows_and_reference
+    results, engine = run(load_model(tiny_model_dir), adapters, rows[:16], 16, max_loaded=2,
+                          kv_cache_memory=6 * 16 * 1024)
+    assert engine.stats.preemptions > 0
+    assert_only_near_ties({i: reference[i] for i in range(16)}, {i: r.token_ids for i, r in results.items()})
+    assert engine.adapters._holders == [0, 0]
