@@ -100,8 +100,8 @@ class LoraStep:
             delta = delta.view(-1, delta.shape[-1]).index_select(0, self.order)  # the tokens' rows, in order
             if isinstance(self.tokens, slice):
                 y[self.tokens] += delta
-            else:
-                y.index_add_(0, self.tokens, delta)
+            else:  # index_put_ accumulates row by row far faster than index_add_ does on a CPU
+                y.index_put_((self.tokens,), delta, accumulate=True)
         return y
 
 
