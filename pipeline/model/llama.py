@@ -206,8 +206,8 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 lora: LoraStep | None = None) -> torch.Tensor:
-        """`lora`: the step's adapter deltas (`lora_step`). Such a step runs the layers eagerly: the native
-        layers and compiled graphs have no deltas in them."""
+        """`lora`: the step's adapter deltas (`lora_step`). Such a step skips the native layers, which have no
+        deltas in them (compiled graphs call the deltas' operator)."""
         if self.kernel_choice is not None:
             self.kernel_choice.record(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
@@ -215,10 +215,9 @@ class LlamaModel(nn.Module):
         if lora is not None or self.native_layers is None or native_rows is None \
                 or not self.native_layers.run(x, positions, native_rows()):
             cos_sin = self.rope(positions)
-            run_layers = self.run_layers if lora is None else _run_layers
             with bound_backend(attn), bound_lora(lora):
                 for run in self.layer_runs:
-                    x = run_layers(run, x, cos_sin)
+                    x = self.run_layers(run, x, cos_sin)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -153,3 +153,17 @@ def test_preempted_rows_give_back_and_retake_their_adapter(tiny_model_dir, adapt
     assert engine.stats.preemptions > 0
     assert_only_near_ties({i: reference[i] for i in range(16)}, {i: r.token_ids for i, r in results.items()})
     assert engine.adapters._holders == [0, 0]
+
+
+def test_compiled_layers_run_adapter_steps_as_eager_ones_do(tiny_model_dir, adapters, rows_and_reference):
+    """engine.compile=on (W8A8 layers in compiled graphs): adapter steps run the compiled graphs too, with
+    the deltas as an operator they call, and give the eager run's tokens (up to float near-ties)."""
+    from tests.reference import Decoded
+
+    rows, _ = rows_and_reference
+    eager, _ = run(load_model(tiny_model_dir, quant="w8a8"), adapters, rows[:24], 24, compile="off")
+    loaded = load_model(tiny_model_dir, quant="w8a8")
+    compiled, engine = run(loaded, adapters, rows[:24], 24, compile="on")
+    assert loaded.model.compiled and engine.stats.adapters["b"]["generated_tokens"] > 0
+    reference = {i: Decoded(r.token_ids, [float("inf")] * MAX_TOKENS) for i, r in eager.items()}
+    assert len(mismatches(reference, {i: r.token_ids for i, r in compiled.items()})) <= 2

@@ -24,6 +24,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kernels.ops import define_op
+
 # (first token, end token, slot) of each run of consecutive tokens with the same adapter
 Segment = tuple[int, int, int]
 
@@ -62,6 +64,7 @@ class LoraStep:
 
     def __init__(self, pairs: Pairs, segments: list[Segment], device: torch.device):
         self.pairs = pairs
+        self.calls = 0  # linears of the forward pass so far (each one's lora_id)
         short = [s for s in segments if s[1] - s[0] <= SHORT_RUN]
         tokens: dict[int, list[int]] = {}
         for start, end, slot in short:
@@ -121,9 +124,25 @@ def bound_lora(step: LoraStep | None) -> Iterator[None]:
         _bound.pop()
 
 
+def _delta(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    step = _bound[-1]
+    lora_id = step.calls
+    step.calls += 1
+    return step.apply(lora_id, x, y.clone())
+
+
+def _delta_shape(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return y.new_empty(y.shape)
+
+
+# The bound step's deltas for the next linear of the forward pass (its `lora_id` is the count of linears
+# before it: `LoraTable` numbers the layers' linears in the order a forward pass calls them), as an operator:
+# compiled layer graphs call it without tracing into it, so adapter steps run compiled too.
+lora_delta = define_op("lora_delta", "(Tensor x, Tensor y) -> Tensor", _delta, _delta_shape)
+
+
 def add_lora(linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """`linear`'s base output y with the bound step's deltas added (y itself when none applies)."""
+    """`linear`'s base output y with the bound step's deltas added (y itself outside an adapter step)."""
     if not _bound:
         return y
-    lora_id = getattr(linear, "lora_id", None)
-    return y if lora_id is None else _bound[-1].apply(lora_id, x, y)
+    return lora_delta(x, y)
