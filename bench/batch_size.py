@@ -55,8 +55,11 @@ def main() -> None:
         quant, rows, head = choice.scheme, choice.w8a8_rows, choice.lm_head
     settings = [(c, h) for c in args.compile.split(",") for h in (args.lm_head or head).split(",")]
     # one model per setting: compiling changes a model for good
-    kv_dtype = getattr(torch, resolve_kv_dtype("auto", quant, "float32", "cpu"))  # as the job's model.kv_cache_dtype=auto
-    models = {s: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=s[1], kv_dtype=kv_dtype) for s in settings}
+    # as a job with model.quant=args.quant resolves model.kv_cache_dtype=auto and loads the model
+    kv_dtype = getattr(torch, resolve_kv_dtype("auto", args.quant, "float32", "cpu"))
+    speed = args.quant == "auto"
+    models = {s: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=s[1], kv_dtype=kv_dtype, prefer_speed=speed)
+              for s in settings}
     loaded = models[settings[0]]
     print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "
           f"model.quant={quant} (W8A8 {'at every step' if quant == 'w8a8' else f'from {rows} rows'}, "

@@ -454,7 +454,6 @@ class Runner:
         that want logits)."""
         return self._sampling_hidden(batch)
 
-
     def load_adapter(self, slot: int, path: str, slots: int) -> None:
         """Place the LoRA adapter at `path` (a local folder, checked by the caller) in `slot` of the model's
         `slots` resident adapters."""
