@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from pipeline.errors import JobError
 from pipeline.source.files import BAD_CELLS, ColumnSpec, InputFiles, SourceFile, list_input
+from pipeline.source.json_text import parse_json
 
 SUFFIXES = tuple(f".jsonl{c}" for c in ("", ".gz", ".zst", ".bz2", ".xz"))
 LINE_SCHEMA = pa.schema([("line", pa.binary())])
@@ -90,11 +91,9 @@ def parse_line(raw: bytes) -> dict[str, Any]:
     if not text.strip():
         raise LineError("empty line")
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise LineError(f"not valid JSON ({e.msg} at char {e.pos})") from None
-    except RecursionError:
-        raise LineError("JSON nested too deeply") from None
+        value = parse_json(text)
+    except ValueError as e:
+        raise LineError(str(e)) from None
     if not isinstance(value, dict):
         raise LineError(f"not a JSON object (a JSON {type(value).__name__})")
     return value

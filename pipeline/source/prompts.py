@@ -8,7 +8,6 @@ row must not stop a run of millions.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pipeline.engine.request import SamplingParams
 from pipeline.errors import JobError
 from pipeline.seeds import row_seed
 from pipeline.source.files import BAD_CELLS
+from pipeline.source.json_text import parse_json
 from pipeline.source.sampling_columns import cell_value
 
 ROLES = ("system", "user", "assistant")
@@ -56,11 +56,9 @@ def _parse_messages(value: Any) -> list[dict]:
         raise RowError("messages is null")
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RowError(f"malformed messages: not valid JSON ({e.msg} at char {e.pos})") from None
-        except RecursionError:
-            raise RowError("malformed messages: JSON nested too deeply") from None
+            value = parse_json(value)
+        except ValueError as e:
+            raise RowError(f"malformed messages: {e}") from None
     if not isinstance(value, list):
         raise RowError(f"malformed messages: expected a list of {{role, content}}, got {type(value).__name__}")
     if not value:

@@ -7,7 +7,6 @@ cell becomes the field's value. Lists and mappings may also be given as JSON tex
 
 from __future__ import annotations
 
-import json
 import math
 import typing
 from collections.abc import Callable, Mapping
@@ -16,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.engine.request import SamplingParams
+from pipeline.source.json_text import parse_json
 
 _HINTS = typing.get_type_hints(SamplingParams)
 
@@ -66,12 +66,7 @@ def column_type(key: str) -> tuple[Callable[[pa.DataType], bool], str]:
 
 
 def _json(value: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at char {e.pos})") from None
+    return parse_json(value) if isinstance(value, str) else value
 
 
 def cell_value(key: str, value: Any) -> Any:
