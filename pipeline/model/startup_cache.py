@@ -24,6 +24,7 @@ would the model file itself.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -140,7 +141,8 @@ class StartupCache:
             value = load(path)
         except Exception as e:  # a payload that hashes right but does not decode: written by other code
             raise DamagedEntry(f"cannot decode it: {e}") from None
-        (self.root / f"{name}.sha256").touch()  # used now: the last to be evicted
+        with contextlib.suppress(OSError):  # a folder this job may read but not write is still read
+            (self.root / f"{name}.sha256").touch()  # used now: the last to be evicted
         return value
 
     def _write(self, name: str, value: T, dump: Callable[[T, BinaryIO], None]) -> None:

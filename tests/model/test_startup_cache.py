@@ -170,3 +170,16 @@ def test_the_folder_keeps_the_entries_used_last_within_its_size(tmp_path):
     huge = StartupCache(tmp_path, max_bytes=10)
     assert huge.fetch(huge.key("big"), lambda: "z" * 100, *JSON_ENTRY) == "z" * 100  # kept though over budget
     assert (tmp_path / huge.key("big")).is_file()
+
+
+def test_an_entry_is_read_where_its_use_cannot_be_recorded(tmp_path, monkeypatch):
+    """A shared folder this job may read but not write: marking the entry used fails, the entry is still read."""
+    cache, calls = StartupCache(tmp_path), []
+    name = cache.key("figures")
+    cache.fetch(name, counted([1], calls), *JSON_ENTRY)
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(f"read-only: {self}")
+
+    monkeypatch.setattr(Path, "touch", refuse)
+    assert cache.fetch(name, counted([2], calls), *JSON_ENTRY) == [1] and len(calls) == 1
