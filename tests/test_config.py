@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -26,6 +28,11 @@ def compose_job(*overrides: str):
     register_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose("config", overrides=list(overrides))
+
+
+def fingerprint_of(model: Path, *overrides: str) -> dict:
+    """The fingerprint of the job these overrides compose, for the model file `model`."""
+    return load_job_config(compose_job(*overrides)).fingerprint(str(model))
 
 
 def test_defaults_compose_into_validated_objects():
@@ -135,8 +142,7 @@ def test_fingerprint_follows_what_changes_outputs(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"1234")
 
-    def fingerprint(*overrides: str) -> dict:
-        return load_job_config(compose_job(*overrides)).fingerprint(str(model))
+    fingerprint = functools.partial(fingerprint_of, model)
 
     base = fingerprint()
     assert base["model"]["bytes"] == 4

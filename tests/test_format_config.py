@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from pipeline.config import load_job_config
 from pipeline.errors import JobError
-from tests.test_config import compose_job
+from tests.test_config import compose_job, fingerprint_of
 
 
 def test_output_format_auto_follows_the_input():
@@ -36,8 +38,7 @@ def test_formats_in_the_fingerprint(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"1234")
 
-    def fingerprint(*overrides: str) -> dict:
-        return load_job_config(compose_job(*overrides)).fingerprint(str(model))
+    fingerprint = functools.partial(fingerprint_of, model)
 
     base = fingerprint()
     # the defaults add nothing, so outputs written before the formats existed still resume

@@ -3,12 +3,14 @@ and the job fingerprint."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from pipeline.config import load_job_config
 from pipeline.engine.prefill import Embed
 from pipeline.errors import JobError
-from tests.test_config import compose_job
+from tests.test_config import compose_job, fingerprint_of
 
 
 def test_task_defaults_and_overrides():
@@ -37,8 +39,7 @@ def test_fingerprint_names_the_task_and_only_its_keys(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x")
 
-    def fingerprint(*overrides: str) -> dict:
-        return load_job_config(compose_job(*overrides)).fingerprint(str(model))
+    fingerprint = functools.partial(fingerprint_of, model)
 
     generate = fingerprint()
     assert "task" not in generate and "embed" not in generate and "candidates_column" not in generate["input"]
