@@ -28,6 +28,11 @@ int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const 
 void int8_gemm_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed, int32_t *correction);
 int int8_gemm_available(void);
 
+/* kernels/cpu_w4a8_gemm.c: the W4A8 GEMM of small steps on int4 weights packed into its panels. Without
+ * AVX-512 VNNI at build time, w4a8_available returns 0 and w4a8_gemm is a stub. */
+int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *out);
+int w4a8_available(void);
+
 /* kernels/cpu_attention.c: the paged attention's write and decode. The pools' element type is the build's
  * (float32, bfloat16 or int8: -DKV_BF16, -DKV_I8), hence untyped pool pointers. */
 typedef void write_fn(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,

@@ -1,0 +1,156 @@
+/* W4A8 GEMM for small decode steps (1..~16 rows) on CPUs with AVX-512 VNNI: int4 weights in groups of 32 with
+ * a float16 scale and min each (w = q * scale + min, q in 0..15), packed once at load, times activations
+ * quantized here to int8 per group of 32 (one float scale per group and row, as llama.cpp's Q8 blocks).
+ *
+ * Why: a small step reads every weight once and does almost nothing else, so it should run at memory
+ * bandwidth. torch's int4 CPU kernel (bfloat16 activations) read an 8192 x 2048 weight at one row at
+ * ~3 GB/s of a ~27 GB/s machine, and its time grows with the rows. Here each group of 32 weights of 32
+ * output channels is 640 bytes read once, unpacked with two logic ops and multiplied with vpdpbusd (weights
+ * as the unsigned operand: no zero point), the rows of a step sharing each load.
+ *
+ * Arithmetic, per row and output channel: y = sum over groups g of a_g * s_g * (sum_k xq_k q_k) + m_g *
+ * (sum_k x_k), where a_g = max|x| / 127 over the group (1 where that is 0), xq = rint(x / a_g) and the
+ * integer sums are exact (int32). The min term takes the float activations' group sum: it needs no rounding.
+ *
+ * Packed layout: output channels in panels of NR = 32 (two vectors of 16; the last panel zero-padded); a
+ * panel is KG = K / 32 groups of GROUP_BYTES, one after another, so a thread streams its panels in order.
+ * A group: 8 blocks of 64 bytes (block 4 j + i: channels 16 j .. 16 j + 15; byte 4 c + t holds the weight
+ * of k = 4 i + t in its low nibble and of k = 16 + 4 i + t in its high one), then the 32 channels' float16
+ * scales, then their float16 mins.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h" /* the entry points, as ctypes calls them */
+
+#define GROUP 32
+#define NV 2
+#define NR (16 * NV)
+#define MR 4                         /* rows per register tile */
+#define QUAD_BYTES (NR * GROUP / 2)  /* 512: the nibbles of a group */
+#define GROUP_BYTES (QUAD_BYTES + 4 * NR)
+#define PREFETCH_BYTES 2048          /* how far ahead of the group it multiplies a thread fetches */
+
+/* Whether this build has the kernel (1) or only its stubs (0: no AVX-512 VNNI at build time). */
+int w4a8_available(void) {
+#ifdef __AVX512VNNI__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512VNNI__
+/* Row r of x [m, k] quantized per group: xq int8 [k], scale[g] and the float sum[g] of each group. */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *scale, float *sum) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        float amax = 0.0f, total = 0.0f;
+        for (int t = 0; t < GROUP; t++) {
+            amax = fabsf(xg[t]) > amax ? fabsf(xg[t]) : amax;
+            total += xg[t];
+        }
+        float a = amax / 127.0f;
+        a = a == 0.0f ? 1.0f : a;
+        for (int t = 0; t < GROUP; t++)
+            xq[g * GROUP + t] = (int8_t)nearbyintf(xg[t] / a);
+        scale[g] = a, sum[g] = total;
+    }
+}
+
+/* out[r][c] for the R rows of a tile (rows ldo apart) and the `cols` valid channels of panel `w`. R is a
+ * constant at every call, so each tile height compiles to its own unrolled loop. */
+static inline __attribute__((always_inline)) void panel_tile(
+        const int R, const uint8_t *w, int64_t kg, const int8_t *xq, int64_t k, const float *scale,
+        const float *sum, int fetch, float *out, int64_t ldo, int cols) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MR][NV];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < kg; g++, w += GROUP_BYTES) {
+        if (fetch)
+            for (int line = 0; line < GROUP_BYTES; line += 64)
+                _mm_prefetch((const char *)w + PREFETCH_BYTES + line, _MM_HINT_T0);
+        __m512i dots[MR][NV];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NV; j++)
+                dots[r][j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            __m512i lo[NV], hi[NV];
+            for (int j = 0; j < NV; j++) {
+                __m512i v = _mm512_loadu_si512(w + (4 * j + i) * 64);
+                lo[j] = _mm512_and_si512(v, low);
+                hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xg = xq + r * k + g * GROUP + 4 * i;
+                __m512i xl = _mm512_set1_epi32(*(const int32_t *)xg);
+                __m512i xh = _mm512_set1_epi32(*(const int32_t *)(xg + 16));
+                for (int j = 0; j < NV; j++)
+                    dots[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[r][j], lo[j], xl), hi[j], xh);
+            }
+        }
+        for (int j = 0; j < NV; j++) {
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + QUAD_BYTES + 32 * j)));
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + QUAD_BYTES + 2 * NR + 32 * j)));
+            for (int r = 0; r < R; r++) {
+                int64_t at = r * (k / GROUP) + g;
+                __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(scale[at]));
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][j]), step, acc[r][j]);
+                acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum[at]), acc[r][j]);
+            }
+        }
+    }
+    for (int j = 0; j < NV; j++) {
+        int left = cols - 16 * j;
+        if (left <= 0)
+            break;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, acc[r][j]);
+    }
+}
+#endif
+
+/* out [m, n] float32 = x W^T in the arithmetic above: x float32 [m, k] (rows lda apart, k a multiple of 32),
+ * the weight packed as above. The threads split the panels. Returns 0, or -1 where the quantized
+ * activations could not be allocated (nothing written). */
+int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *out) {
+#ifdef __AVX512VNNI__
+    int64_t kg = k / GROUP, panels = (n + NR - 1) / NR;
+    int8_t *xq = malloc((size_t)(m * k));
+    float *groups = malloc((size_t)(2 * m * kg) * sizeof(float));
+    if (xq == NULL || groups == NULL) {
+        free(xq), free(groups);
+        return -1;
+    }
+    float *scale = groups, *sum = groups + m * kg;
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * lda, k, xq + r * k, scale + r * kg, sum + r * kg);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *w = packed + p * kg * GROUP_BYTES;
+        int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
+        for (int64_t t = 0; t < m; t += MR) {
+            /* the first row tile reads the panel from memory; the others find it in cache */
+            const int8_t *q = xq + t * k;
+            const float *sc = scale + t * kg, *su = sum + t * kg;
+            float *o = out + t * n + p * NR;
+            switch (m - t < MR ? m - t : MR) {
+            case 1: panel_tile(1, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
+            case 2: panel_tile(2, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
+            case 3: panel_tile(3, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
+            default: panel_tile(4, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
+            }
+        }
+    }
+    free(xq), free(groups);
+    return 0;
+#else
+    (void)x, (void)lda, (void)m, (void)k, (void)packed, (void)n, (void)out;
+    return -1;
+#endif
+}
