@@ -26,6 +26,7 @@ from pipeline.engine.runner import kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
 from pipeline.model.quant_choice import choose_quant
 from pipeline.model.roofline import HardwareProfile
+from pipeline.model.w8a8_crossover import apply_measured_crossover, rows_to_load
 from pipeline.perf.probe import cpu_flags, probe
 
 
@@ -45,14 +46,14 @@ def main() -> None:
     args = ap.parse_args()
     path = args.model or default_model_path()
     batches = [int(b) for b in args.batches.split(",")]
-    quant, rows, head = args.quant, 16, "int8"
+    quant, rows, head, choice = args.quant, 16, "int8", None
     if quant == "auto":
         hw = probe()
         profile = HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory)
         base = load_model(path)
         choice = choose_quant(base.config, profile, "gguf" if str(path).endswith(".gguf") else "int4",
                               hw.weight_only_kernels, max(batches))
-        quant, rows, head = choice.scheme, choice.w8a8_rows, choice.lm_head
+        quant, rows, head = choice.scheme, rows_to_load(choice, quant != "w8a8"), choice.lm_head
     settings = [(c, h) for c in args.compile.split(",") for h in (args.lm_head or head).split(",")]
     # one model per setting: compiling changes a model for good
     # as a job with model.quant=args.quant resolves model.kv_cache_dtype=auto and loads the model
@@ -61,6 +62,11 @@ def main() -> None:
     models = {s: load_model(path, quant=quant, w8a8_rows=rows, quant_lm_head=s[1], kv_dtype=kv_dtype, prefer_speed=speed)
               for s in settings}
     loaded = models[settings[0]]
+    if choice is not None and quant != "w8a8":  # as a job on a probed CPU: the W8A8 and W4A8 switches timed
+        for model in models.values():
+            measured, crossover = apply_measured_crossover(choice, model.model, max(batches))
+        rows = measured.w8a8_rows
+        print(f"measured: {crossover.describe()}")
     print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()[0]:.1f}; threads {torch.get_num_threads()}; "
           f"model.quant={quant} (W8A8 {'at every step' if quant == 'w8a8' else f'from {rows} rows'}, "
           f"KV cache {str(kv_dtype).removeprefix('torch.')}); "

@@ -18,6 +18,10 @@ GEMMs run on the tiles, and which is fastest depends on the shapes (SmolLM2's la
 
 Whatever a rule names, a packed GEMM is first tried on a slice of one weight (its products must be the
 exact sums, and it must not be a fallback kernel); where it fails, `torch._int_mm` runs.
+
+Weight-only steps (below the W8A8 switch) run torch's int4 kernel, or under model.quant=auto where the
+native W4A8 GEMM runs here (`kernels.cpu_w4a8`: AVX-512 VNNI), that GEMM below the row count at which the
+load timed it no longer faster (`pipeline.model.w8a8_crossover`).
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from kernels import vnni_gemm
+from kernels import cpu_w4a8, vnni_gemm
 from kernels.argmax import ARGMAX_CHUNK
 from kernels.native_build import cpu_identity, native_parts
 from kernels.packed_int8 import OneDNNWeight, packed_weight
 from kernels.vnni_gemm import NativeInt8Weight
 from pipeline.model.native_decode import native_decode_reason
-from pipeline.model.quant import QuantLMHead
+from pipeline.model.quant import QuantLinear, QuantLMHead
 
 PLAIN, PACKED, NATIVE = "torch._int_mm", OneDNNWeight.name, NativeInt8Weight.name
 KERNEL_FLAGS = ("amx_int8", "avx512_vnni", "avx512f", "avx_vnni", "avx2")  # /proc/cpuinfo's names
@@ -99,13 +103,14 @@ class CpuKernels:
     weight_bound: int | None  # the W8A8 weights' largest |int8|
     decoder_layers: str  # native, compiled or eager, and why
     greedy_head: str  # how greedy steps take the LM head's argmax
+    weight_only: str  # the weight-only steps' kernel: the native W4A8 GEMM below some rows, or torch's, and why
 
     def line(self) -> str:
         gemms = "; ".join(f"int8 GEMM {part}: {gemm}" for part, gemm in self.int8_gemm.items()) or "no int8 GEMM"
         bound = "" if self.weight_bound is None else f"; weights within +-{self.weight_bound}"
         return (f"{self.cpu} ({' '.join(self.flags) or 'no kernel flags'}; native kernels: "
                 f"{','.join(self.native) or 'off'}): {gemms}{bound}; decoder layers: {self.decoder_layers}; "
-                f"greedy head: {self.greedy_head}")
+                f"greedy head: {self.greedy_head}; weight-only steps: {self.weight_only}")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -116,7 +121,7 @@ def cpu_kernels(model: nn.Module, features: CpuFeatures) -> CpuKernels:
     choice = model.kernel_choice
     return CpuKernels(features.cpu_class, sorted(features.flags), list(native_parts()),
                       dict(choice.int8_gemm) if choice else {}, choice.weight_bound if choice else None,
-                      decoder_layers(model), greedy_head(model))
+                      decoder_layers(model), greedy_head(model), weight_only_kernel(model))
 
 
 def decoder_layers(model: nn.Module) -> str:
@@ -128,6 +133,20 @@ def decoder_layers(model: nn.Module) -> str:
     choice = model.kernel_choice
     why = "no W8A8 steps" if choice is None or choice.w8a8_rows is None else native_decode_reason(model)
     return f"{torch_path} (not native: {why})"
+
+
+def weight_only_kernel(model: nn.Module) -> str:
+    """Which kernel the weight-only steps' int4 linears run: the native W4A8 GEMM below `w4a8_below` rows
+    (where the linears have its layout), else torch's (and why not W4A8); "none" where every step is W8A8."""
+    choice = model.kernel_choice
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not linears or (choice is not None and not choice.weight_only):
+        return "none (float weights, or every step W8A8)"
+    has_layout = any(m.w4a8_packed is not None for m in linears)
+    if has_layout and choice is not None and choice.w4a8_below is not None:
+        return f"native W4A8 below {choice.w4a8_below} rows, else torch's"
+    why = (cpu_w4a8.unavailable_reason() or ("not faster at 1 row" if has_layout else "no W4A8 layout loaded"))
+    return f"torch's (not W4A8: {why})"
 
 
 def greedy_head(model: nn.Module) -> str:

@@ -11,8 +11,11 @@ Schemes (`model.quant`):
 - fp8: FP8 W8A8 on CUDA GPUs with FP8 tensor cores (`pipeline.model.fp8_linear`).
 Weight-only schemes can also switch per call: `attach_w8a8` gives each linear a second, int8 per-channel
 layout used for calls with at least `KernelChoice.w8a8_rows` rows (large batches, where dequantizing per
-call or bfloat16 emulation would be slower than float32). Embeddings stay in the model dtype; the LM head
-too, except in W8A8 calls (`QuantLMHead`: an int8 or bfloat16 copy).
+call or bfloat16 emulation would be slower than float32). Under model.quant=auto on CPU, int4 linears also
+keep a copy for the native W4A8 GEMM (`kernels.cpu_w4a8`), which weight-only calls of fewer than
+`KernelChoice.w4a8_below` rows run (small steps, where it reads the weights faster than torch's kernel).
+Embeddings stay in the model dtype; the LM head too, except in W8A8 calls (`QuantLMHead`: an int8 or
+bfloat16 copy).
 
 Tensor parallelism: each rank keeps exactly its slice of the TP=1 quantized weight. Column-parallel ranks
 quantize their own rows; row-parallel ranks quantize whole rows and slice the inputs, so a rank's inputs
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_w4a8
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
 from kernels.dispatch import (
     as_products,
@@ -73,17 +77,23 @@ class KernelChoice:
     native_layer_steps: int = 0  # W8A8 steps whose layers ran in one native call (`pipeline.model.native_decode`)
     # the LM head's own switch to its compact copy (`QuantLMHead`); None: with the linears, at `w8a8_rows`
     head_rows: int | None = None
+    # weight-only calls of fewer rows run the native W4A8 GEMM where a linear has its layout; None: never
+    w4a8_below: int | None = None
 
     def uses_w8a8(self, rows: int) -> bool:
         """quant=w8a8 (no weight-only kernel) at any row count, even none; else from `w8a8_rows` rows."""
         return self.w8a8_rows is not None and (rows >= self.w8a8_rows or not self.weight_only)
+
+    def uses_w4a8(self, rows: int) -> bool:
+        """Whether a weight-only call of `rows` rows runs the native W4A8 GEMM (where the linear has it)."""
+        return self.w4a8_below is not None and rows < self.w4a8_below and not self.uses_w8a8(rows)
 
     def head_uses_compact(self, rows: int) -> bool:
         """Whether a call of `rows` rows runs the LM head's compact copy rather than its float weight."""
         return rows >= self.head_rows if self.head_rows is not None else self.uses_w8a8(rows)
 
     def record(self, rows: int) -> None:
-        self.steps["w8a8" if self.uses_w8a8(rows) else self.weight_only] += 1
+        self.steps["w8a8" if self.uses_w8a8(rows) else "w4a8" if self.uses_w4a8(rows) else self.weight_only] += 1
 
     def clear(self) -> None:
         """Forget the steps counted so far (a measuring run's, before the job's own)."""
@@ -181,7 +191,8 @@ class QuantLinear(ParallelLinear):
 
     Buffers `qweight`, `scales`, `mins` hold this rank's rows in the kernels' format and are allocated by
     the first part loaded (so GGUF blocks decide bits and group). `pack_for_cpu()` converts them once for
-    torch's CPU kernels (bfloat16 activations) and frees the original layout.
+    torch's CPU kernels (bfloat16 activations), and for the native W4A8 GEMM where asked, and frees the
+    original layout.
     """
 
     def __init__(self, linear: ParallelLinear, scheme: str, group_size: int):
@@ -202,7 +213,7 @@ class QuantLinear(ParallelLinear):
         self.group_size = group_size
         self.bits = 0
         for buffer in ("qweight", "scales", "mins", "packed_weight", "packed_scales", "w8a8_weight", "w8a8_scales",
-                       "w8a8_smooth", "w8a8_packed"):
+                       "w8a8_smooth", "w8a8_packed", "w4a8_packed"):
             self.register_buffer(buffer, None)
         self.packed_group = 0
         self.rows_loaded = 0
@@ -263,10 +274,13 @@ class QuantLinear(ParallelLinear):
             raise RuntimeError("dequantize() needs the original layout (weights not loaded, or packed for CPU)")
         return dequantize(self.qweight, self.scales, self.mins, self.bits)
 
-    def pack_for_cpu(self) -> bool:
-        """Convert to torch's CPU kernel layout (scales rounded to bfloat16) if one exists; True if done."""
+    def pack_for_cpu(self, w4a8: bool = False) -> bool:
+        """Convert to torch's CPU kernel layout (scales rounded to bfloat16) if one exists; True if done.
+        With `w4a8`, an int4 weight the native W4A8 GEMM takes is also packed for it (`kernels.cpu_w4a8`)."""
         if self.qweight is None or not cpu_supports(self.qweight, self.scales, self.mins, self.bits):
             return False
+        if w4a8 and self.bits == 4 and cpu_w4a8.weight_reason(self.qweight, self.scales, self.mins) is None:
+            self.w4a8_packed = cpu_w4a8.pack_w4a8(self.qweight, self.scales, self.mins)
         packed = pack_for_cpu(self.qweight, self.scales, self.mins, self.bits)
         self.qweight = self.scales = self.mins = None
         self.packed_weight, self.packed_scales = packed.weight, packed.scales
@@ -322,6 +336,8 @@ class QuantLinear(ParallelLinear):
         if self.choice is not None and self.choice.uses_w8a8(x.shape[0]):
             smoothed = x if self.w8a8_smooth is None else x * self.w8a8_smooth
             y = w8a8_matmul(smoothed, self.w8a8_weight, self.w8a8_scales, self.w8a8_packed)
+        elif self.w4a8_packed is not None and self.choice is not None and self.choice.uses_w4a8(x.shape[0]):
+            y = cpu_w4a8.w4a8_matmul(x, self.w4a8_packed, self.out_features)
         elif packed is not None:
             y = packed_matmul(x, packed)
         elif self.qweight is None:
@@ -543,9 +559,11 @@ def check_loaded(model: nn.Module) -> None:
             raise ValueError(f"{name}: checkpoint provided {m.rows_loaded} of {m.out_features} weight rows")
 
 
-def pack_model_for_cpu(model: nn.Module) -> int:
-    """Convert every quantized linear that torch's CPU kernels support; returns how many were converted."""
-    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, QuantLinear))
+def pack_model_for_cpu(model: nn.Module, w4a8: bool = False) -> int:
+    """Convert every quantized linear that torch's CPU kernels support (and with `w4a8`, its int4 weight for
+    the native W4A8 GEMM too, where that runs here); returns how many were converted."""
+    w4a8 = w4a8 and cpu_w4a8.unavailable_reason() is None
+    return sum(m.pack_for_cpu(w4a8) for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def drop_weight_only_layouts(model: nn.Module) -> int:
@@ -558,7 +576,7 @@ def drop_weight_only_layouts(model: nn.Module) -> int:
     freed = 0
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            for name in ("qweight", "scales", "mins", "packed_weight", "packed_scales"):
+            for name in ("qweight", "scales", "mins", "packed_weight", "packed_scales", "w4a8_packed"):
                 buffer = getattr(m, name)
                 if buffer is not None and buffer is not m.w8a8_weight and buffer is not m.w8a8_scales:
                     freed += buffer.numel() * buffer.element_size()
@@ -633,4 +651,4 @@ def load_quantized(
         choice.head_rows = 1
     fast = model.dtype == CPU_ACTIVATION_DTYPE or ((w8a8_rows is not None or prefer_speed) and weight_only_kernels_fast())
     if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
-        pack_model_for_cpu(model)
+        pack_model_for_cpu(model, w4a8=prefer_speed)

@@ -8,7 +8,10 @@ and switches where they cross.
 
 What is timed: one decoder layer's four products (qkv, o, gate_up, down) and the LM head, as each kind of
 step runs them (weight-only steps: the packed bf16 kernels and the float LM head; W8A8 steps: the int8
-GEMM each layout runs on, `pipeline.model.w8a8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. A step costs about num_layers x the layer plus
+GEMM each layout runs on, `pipeline.model.w8a8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. Where the
+linears also have the native W4A8 layout (`kernels.cpu_w4a8`), weight-only steps are timed on it too, and
+it runs the weight-only steps below the first size at which it is not the faster of the two; that
+weight-only step is then the one compared with W8A8. A step costs about num_layers x the layer plus
 the head. The elementwise work around the products (activation quantization, casts) is left out: compiled
 layers fuse it into the loops both kinds of step have anyway.
 """
@@ -16,10 +19,11 @@ layers fuse it into the loops both kinds of step have anyway.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from kernels.cpu_w4a8 import w4a8_matmul
 from kernels.dispatch import int8_outputs, packed_matmul, quantize_for_gemm, wq_matmul
 from pipeline.model.quant import QuantLinear, QuantLMHead, drop_weight_only_layouts
 from pipeline.model.quant_choice import QuantChoice
@@ -39,22 +43,44 @@ WEIGHT_ONLY_MARGIN = 0.1
 @dataclass(frozen=True)
 class Crossover:
     """The measured crossing: W8A8 from `w8a8_rows` rows (None: never, within the sizes timed), and the
-    estimated step seconds of each kind, by rows: {rows: (weight-only, w8a8)}."""
+    estimated step seconds of each kind, by rows: {rows: (weight-only, w8a8)}, the weight-only step on the
+    kernel it runs on. Where the native W4A8 GEMM was timed: its step seconds by rows (`w4a8_seconds`,
+    against torch's int4 kernel's, `torch_seconds`) and below how many rows it runs (`w4a8_below`: the
+    first size timed where it was not faster; None: not at 1 row)."""
 
     w8a8_rows: int | None
     step_seconds: dict[int, tuple[float, float]]
+    w4a8_seconds: dict[int, tuple[float, float]] = field(default_factory=dict)  # {rows: (torch, w4a8)}
+    w4a8_below: int | None = None
 
     def as_json(self) -> dict:
-        return {"w8a8_rows": self.w8a8_rows, "step_seconds": [[r, *s] for r, s in self.step_seconds.items()]}
+        return {"w8a8_rows": self.w8a8_rows, "step_seconds": [[r, *s] for r, s in self.step_seconds.items()],
+                "w4a8_seconds": [[r, *s] for r, s in self.w4a8_seconds.items()], "w4a8_below": self.w4a8_below}
 
     @classmethod
     def from_json(cls, value: dict) -> Crossover:
-        return cls(value["w8a8_rows"], {int(r): (wo, w8) for r, wo, w8 in value["step_seconds"]})
+        return cls(value["w8a8_rows"], {int(r): (wo, w8) for r, wo, w8 in value["step_seconds"]},
+                   {int(r): (t, w4) for r, t, w4 in value["w4a8_seconds"]}, value["w4a8_below"])
 
     def describe(self) -> str:
         figures = ", ".join(f"{rows}: {wo * 1e3:.2f} vs {w8 * 1e3:.2f}" for rows, (wo, w8) in self.step_seconds.items())
         where = "never" if self.w8a8_rows is None else f"from {self.w8a8_rows} rows"
-        return f"measured W8A8 {where} (products per step, ms, weight-only vs W8A8, by rows: {figures})"
+        text = f"measured W8A8 {where} (products per step, ms, weight-only vs W8A8, by rows: {figures})"
+        if self.w4a8_seconds:
+            native = ", ".join(f"{rows}: {t * 1e3:.2f} vs {w4 * 1e3:.2f}" for rows, (t, w4) in self.w4a8_seconds.items())
+            below = "never" if self.w4a8_below is None else f"below {self.w4a8_below} rows"
+            text += f"; weight-only steps on the native W4A8 GEMM {below} (torch int4 vs W4A8: {native})"
+        return text
+
+
+def w4a8_limit(seconds: dict[int, tuple[float, float]]) -> int | None:
+    """From {rows: (torch int4, W4A8) step seconds}: the first size at which W4A8 is not faster (every call
+    of fewer rows runs it), the largest size + 1 where it always is, None where it loses at the first."""
+    for rows in sorted(seconds):
+        torch_s, w4a8_s = seconds[rows]
+        if w4a8_s >= torch_s:
+            return rows if rows > min(seconds) else None
+    return max(seconds) + 1 if seconds else None
 
 
 def crossing(step_seconds: dict[int, tuple[float, float]]) -> int | None:
@@ -93,7 +119,27 @@ def apply_measured_crossover(choice: QuantChoice, model: torch.nn.Module, max_ba
         reason += f"; weight-only layouts freed ({drop_weight_only_layouts(model) / 2**20:.0f} MiB)"
     else:
         model.kernel_choice.w8a8_rows = rows
+        model.kernel_choice.w4a8_below = crossover.w4a8_below
+        freed = drop_unused_int4_layouts(model)
+        if freed:
+            reason += f"; {freed / 2**20:.0f} MiB of int4 layouts no step runs freed"
     return replace(choice, w8a8_rows=rows, reason=reason), crossover
+
+
+def drop_unused_int4_layouts(model: torch.nn.Module) -> int:
+    """Free the int4 layout no weight-only call reads after the choice: the native W4A8 one where it never
+    runs, torch's where the W4A8 GEMM runs every weight-only call (below the W8A8 switch); the bytes freed."""
+    choice, freed = model.kernel_choice, 0
+    below, w8a8_rows = choice.w4a8_below, choice.w8a8_rows
+    names = (("w4a8_packed",) if below is None
+             else ("packed_weight", "packed_scales") if w8a8_rows is not None and below >= w8a8_rows else ())
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.w4a8_packed is not None:
+            for name in names:
+                buffer = getattr(m, name)
+                freed += buffer.numel() * buffer.element_size() if buffer is not None else 0
+                setattr(m, name, None)
+    return freed
 
 
 def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
@@ -105,29 +151,42 @@ def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
     if not linears or any(m.w8a8_scales is None for m in linears) or not isinstance(head, QuantLMHead):
         raise ValueError("measure_crossover needs a weight-only quantized model with its W8A8 layouts attached")
     sizes = [1 << i for i in range(max(1, max_rows).bit_length()) if 1 << i <= max_rows]
+    native = all(m.w4a8_packed is not None for m in linears)
     seconds: dict[int, tuple[float, float]] = {}
+    w4a8: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
         for rows in sizes:
-            weight_only, w8a8 = alternating_best((_weight_only_step(model, linears, rows),
-                                                  _w8a8_step(model, linears, rows)), ROUNDS, REPS)
-            seconds[rows] = (weight_only, w8a8)
-    return Crossover(crossing(seconds), seconds)
+            steps = (_weight_only_step(model, linears, rows, False), _w8a8_step(model, linears, rows))
+            if native:
+                steps += (_weight_only_step(model, linears, rows, True),)
+            timed = alternating_best(steps, ROUNDS, REPS)
+            seconds[rows] = (timed[0], timed[1])
+            if native:
+                w4a8[rows] = (timed[0], timed[2])
+    below = w4a8_limit(w4a8)
+    if below is not None:  # the weight-only steps below it run on W4A8
+        seconds = {r: (w4a8[r][1] if r < below else wo, w8) for r, (wo, w8) in seconds.items()}
+    return Crossover(crossing(seconds), seconds, w4a8, below)
 
 
-def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
-    """One weight-only step's products at `rows` rows: the layer's, num_layers times, and the float head."""
+def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int,
+                      w4a8: bool) -> Callable[[], None]:
+    """One weight-only step's products at `rows` rows: the layer's (on the native W4A8 GEMM with `w4a8`),
+    num_layers times, and the LM head as weight-only steps run it (its compact copy where auto keeps one)."""
     inputs = [torch.randn(rows, m.in_features) for m in linears]
     packed = [m.cpu_packed for m in linears]  # built once: the property makes a new one per read
-    hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
+    head = _head_call(model, rows, model.kernel_choice.head_uses_compact(rows))
 
     def run() -> None:
         for _ in range(model.config.num_layers):
             for m, p, x in zip(linears, packed, inputs):
-                if p is not None:
+                if w4a8:
+                    w4a8_matmul(x, m.w4a8_packed, m.out_features)
+                elif p is not None:
                     packed_matmul(x, p)
                 else:
                     wq_matmul(x, m.qweight, m.scales, m.mins, m.bits)
-        torch.nn.functional.linear(hidden, model.lm_head.weight)
+        head()
 
     return run
 
@@ -137,19 +196,26 @@ def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) ->
     weight runs on: `pipeline.model.w8a8_gemm`), and the head."""
     inputs = [quantize_for_gemm(torch.randn(rows, m.in_features), m.int8_layout[2])[0] for m in linears]
     layouts = [m.int8_layout for m in linears]
-    head = model.lm_head
-    if head.mode == "int8":
-        head_input = quantize_for_gemm(torch.randn(rows, head.in_features), head.fast_packed)[0]
-    else:
-        head_input = torch.randn(rows, head.in_features, dtype=head.fast_weight.dtype)
+    head = _head_call(model, rows, True)
 
     def run() -> None:
         for _ in range(model.config.num_layers):
             for q, layout in zip(inputs, layouts):
                 int8_outputs(q, *layout)
-        if head.mode == "int8":
-            int8_outputs(head_input, *head.int8_layout)
-        else:
-            torch.nn.functional.linear(head_input, head.fast_weight)
+        head()
 
     return run
+
+
+def _head_call(model: torch.nn.Module, rows: int, compact: bool) -> Callable[[], None]:
+    """The LM head's product at `rows` rows: its compact copy's (int8 or bf16) with `compact`, else the
+    float weight's."""
+    head = model.lm_head
+    if not compact:
+        hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
+        return lambda: torch.nn.functional.linear(hidden, head.weight)
+    if head.mode == "int8":
+        q = quantize_for_gemm(torch.randn(rows, head.in_features), head.fast_packed)[0]
+        return lambda: int8_outputs(q, *head.int8_layout)
+    x = torch.randn(rows, head.in_features, dtype=head.fast_weight.dtype)
+    return lambda: torch.nn.functional.linear(x, head.fast_weight)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import vnni_gemm
+from kernels import cpu_w4a8, vnni_gemm
 from pipeline.model.cpu_kernels import (
     AMX,
     AVX2,
@@ -91,3 +91,14 @@ def test_a_float_model_has_no_int8_gemm_and_no_native_layers(tiny_model_dir):
     assert kernels.decoder_layers == "eager (not native: no W8A8 steps)"
     assert kernels.greedy_head == "argmax of the logits"
     assert "no int8 GEMM" in kernels.line()
+    assert kernels.weight_only.startswith("none")
+
+
+def test_the_record_names_the_weight_only_kernel(tiny_model_dir):
+    """auto's int4 weight-only steps: on the native W4A8 GEMM below the timed limit, where it runs here."""
+    model = load_model(tiny_model_dir, quant="int4", w8a8_rows=16, prefer_speed=True).model
+    model.kernel_choice.w4a8_below = 4
+    kernels = cpu_kernels(model, CpuFeatures.here())
+    why = cpu_w4a8.unavailable_reason()
+    expected = "native W4A8 below 4 rows, else torch's" if why is None else f"torch's (not W4A8: {why})"
+    assert kernels.weight_only == expected and f"weight-only steps: {expected}" in kernels.line()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_w4a8
 from kernels.wq_cpu import weight_only_kernels_fast
 from pipeline.model import w8a8_crossover
 from pipeline.model.attention import WholeSequence
@@ -97,3 +98,82 @@ def test_w8a8_from_one_row_frees_the_weight_only_layouts(tiny_model_dir, monkeyp
 def test_measurement_needs_both_layouts(tiny_model_dir):
     with pytest.raises(ValueError, match="W8A8 layouts attached"):
         measure_crossover(load_model(tiny_model_dir, quant="int4").model, 4)
+
+
+@pytest.mark.parametrize("seconds,below", [
+    ({1: (2.0, 1.0), 2: (2.0, 1.5), 4: (2.0, 2.5), 8: (3.0, 2.0)}, 4),  # faster at 1 and 2: below 4
+    ({1: (2.0, 1.0), 2: (2.0, 1.0)}, 3),  # faster at every size timed
+    ({1: (1.0, 2.0), 2: (2.0, 1.0)}, None),  # slower at 1 row: never
+    ({}, None),  # not timed
+])
+def test_w4a8_runs_below_the_first_size_where_it_is_not_faster(seconds, below):
+    assert w8a8_crossover.w4a8_limit(seconds) == below
+
+
+def one_step_logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor([7]), torch.tensor([0]), WholeSequence(model.scale)))
+
+
+def test_auto_keeps_a_w4a8_copy_of_the_int4_linears_where_the_kernel_runs(tiny_model_dir):
+    """Weight-only calls below `w4a8_below` rows run the native GEMM: the linear's products are the W4A8
+    arithmetic on the load's own int4 weights (the same ones torch's layout holds), counted as w4a8 steps."""
+    model = quantized(tiny_model_dir)
+    linear = model.layers[0].mlp.down_proj
+    if cpu_w4a8.unavailable_reason() is not None:
+        assert linear.w4a8_packed is None
+        pytest.skip(cpu_w4a8.unavailable_reason())
+    plain = load_model(tiny_model_dir, quant="int4").model.layers[0].mlp.down_proj  # the original layout
+    choice = model.kernel_choice
+    choice.w8a8_rows, choice.w4a8_below = 16, 4
+    x = torch.randn(3, linear.in_features)
+    with torch.inference_mode():
+        y = linear(x)
+        reference = cpu_w4a8.w4a8_reference(x, plain.qweight, plain.scales, plain.mins)
+        assert torch.allclose(y, reference, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(linear(torch.cat([x, x])), reference.repeat(2, 1), rtol=1e-5, atol=1e-5)
+    choice.clear()
+    one_step_logits(model)
+    assert choice.steps == {"w4a8": 1}
+
+
+def test_measurement_times_w4a8_where_the_linears_have_it(tiny_model_dir):
+    model = quantized(tiny_model_dir)
+    crossover = measure_crossover(model, 4)
+    if cpu_w4a8.unavailable_reason() is not None:
+        assert crossover.w4a8_seconds == {} and crossover.w4a8_below is None
+        return
+    assert sorted(crossover.w4a8_seconds) == [1, 2, 4]
+    assert crossover.w4a8_below == w8a8_crossover.w4a8_limit(crossover.w4a8_seconds)
+    assert "native W4A8 GEMM" in crossover.describe()
+    assert w8a8_crossover.Crossover.from_json(crossover.as_json()) == crossover
+
+
+@pytest.mark.parametrize("below,kept", [(None, "torch"), (2, "both"), (8, "w4a8")])
+def test_the_int4_layout_no_step_runs_is_freed(tiny_model_dir, monkeypatch, below, kept):
+    """W8A8 from 4 rows: W4A8 never (its copy freed), below 2 rows (both kept) or below 8 (torch's freed);
+    the step's logits are those of the kernel each leaves running."""
+    if cpu_w4a8.unavailable_reason() is not None:
+        pytest.skip(cpu_w4a8.unavailable_reason())
+    model = quantized(tiny_model_dir)
+    model.kernel_choice.w8a8_rows, model.kernel_choice.w4a8_below = None, below
+    before = one_step_logits(model)
+    timed = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (2.0, 1.0)}
+    monkeypatch.setattr(w8a8_crossover, "measure_crossover",
+                        lambda m, rows: w8a8_crossover.Crossover(crossing(timed), timed, {}, below))
+    chosen = apply_measured_crossover(QuantChoice("int4", 4, "int8", "roofline"), model, 256)[0]
+    assert chosen.w8a8_rows == 4 and model.kernel_choice.w4a8_below == below
+    linear = model.layers[0].self_attn.o_proj
+    assert (linear.w4a8_packed is not None, linear.packed_weight is not None) == {
+        "torch": (False, True), "both": (True, True), "w4a8": (True, False)}[kept]
+    assert ("int4 layouts no step runs freed" in chosen.reason) == (kept != "both")
+    assert torch.equal(one_step_logits(model), before)
+
+
+def test_without_the_kernel_auto_keeps_torchs_int4_kernel(tiny_model_dir, monkeypatch):
+    """The unavailable branch at load: no W4A8 copy, nothing timed for it, weight-only steps on torch's."""
+    monkeypatch.setattr(cpu_w4a8, "unavailable_reason", lambda: "no AVX-512 VNNI here")
+    model = quantized(tiny_model_dir)
+    assert all(m.w4a8_packed is None for m in model.modules() if hasattr(m, "w4a8_packed"))
+    crossover = measure_crossover(model, 2)
+    assert crossover.w4a8_seconds == {} and crossover.w4a8_below is None
