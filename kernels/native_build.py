@@ -32,8 +32,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 EXTRA_FLAGS = "PIPELINE_KERNEL_FLAGS"
 SWITCH = "PIPELINE_NATIVE"
 # the native kernels $PIPELINE_NATIVE names: the VNNI int8 GEMM, the W8A8 decoder layers, the paged attention,
-# the W4A8 GEMM of small steps
-NATIVE_PARTS = ("gemm", "decode", "attention", "w4a8")
+# the W4A8 GEMM of small steps, the load-time weight quantizers
+NATIVE_PARTS = ("gemm", "decode", "attention", "w4a8", "quantize")
 
 
 def build_flags() -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kernels import cpu_attention, cpu_decode_layers, cpu_w4a8, native_build, vnni_gemm
+from kernels import cpu_attention, cpu_decode_layers, cpu_quantize, cpu_w4a8, native_build, vnni_gemm
 
 BUILDS = {"native": "", "avx2": "-mno-avx512f"}  # extra compiler flags of each build
 
@@ -17,7 +17,8 @@ def forget_loaded_kernels() -> None:
     """Each module loads its kernels once per process: forgotten, the next call builds them again under
     the flags in force (or finds them in the disk cache)."""
     for cached in (cpu_attention._kernel_or_reason, vnni_gemm._library_or_reason,
-                   cpu_decode_layers._library_or_reason, cpu_w4a8._library_or_reason):
+                   cpu_decode_layers._library_or_reason, cpu_w4a8._library_or_reason,
+                   cpu_quantize._library_or_reason):
         cached.cache_clear()
 
 

@@ -1,0 +1,98 @@
+/* Round-to-nearest weight quantization at load, one pass per group: kernels/wq_reference.py's quantize_int4
+ * and quantize_int8, bit for bit.
+ *
+ * Why native code: the torch reference makes five to eight elementwise passes over every weight (min, max,
+ * subtract, divide, round, clamp, pack), each a kernel launch over a cache-sized slice; on a 1B-parameter
+ * model that was most of a first start (tens of seconds on 2 cores). Here each group of a row is read once
+ * into registers and written once, rows split between torch's OpenMP threads.
+ *
+ * Exactness: the same IEEE float32 operations in the same order as the reference (no -ffast-math, no
+ * contraction: see the pragma), scales and mins rounded to float16 to nearest even, q rounded half to even
+ * (nearbyintf in the default rounding mode, as torch.round). Inputs are float32 or bfloat16 (widened exactly).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#pragma GCC optimize("fp-contract=off") /* a * b + c must not become one fused rounding */
+
+/* Row r's k values widened to float32 in out: from float32 (bf16 == 0) or bfloat16 bits. */
+static void widen_row(const void *w, int bf16, int64_t r, int64_t k, float *out)
+{
+    if (!bf16) {
+        const float *src = (const float *)w + r * k;
+        for (int64_t c = 0; c < k; c++)
+            out[c] = src[c];
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)w + r * k;
+    for (int64_t c = 0; c < k; c++) {
+        const uint32_t bits = (uint32_t)src[c] << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, sizeof f);
+        out[c] = f;
+    }
+}
+
+static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+/* Asymmetric int4 per group of g: scale = fp16((max - min) / 15), min = fp16(min), q = round((w - min) / scale)
+ * in 0..15 (scale 0 divides by 1), packed two per byte (even k in the low nibble). g even, k % g == 0. */
+void quantize_int4(const void *w, int bf16, int64_t n, int64_t k, int64_t g, uint8_t *packed, _Float16 *scales,
+                   _Float16 *mins)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        float row[k];
+        widen_row(w, bf16, r, k, row);
+        for (int64_t j = 0; j < k / g; j++) {
+            const float *x = row + j * g;
+            float lo = x[0], hi = x[0];
+            for (int64_t c = 1; c < g; c++) {
+                lo = x[c] < lo ? x[c] : lo;
+                hi = x[c] > hi ? x[c] : hi;
+            }
+            const _Float16 s16 = (_Float16)((hi - lo) / 15.0f), m16 = (_Float16)lo;
+            scales[r * (k / g) + j] = s16, mins[r * (k / g) + j] = m16;
+            const float m = (float)m16, s = (float)s16 == 0.0f ? 1.0f : (float)s16;
+            uint8_t *out = packed + (r * k + j * g) / 2;
+            for (int64_t c = 0; c < g; c += 2) {
+                const uint8_t even = (uint8_t)clampf(nearbyintf((x[c] - m) / s), 0.0f, 15.0f);
+                const uint8_t odd = (uint8_t)clampf(nearbyintf((x[c + 1] - m) / s), 0.0f, 15.0f);
+                out[c / 2] = (uint8_t)(even | (odd << 4));
+            }
+        }
+    }
+}
+
+/* Symmetric int8 per group of g: scale = max|w| / bound (float32 where g == k, else rounded to float16),
+ * q = round(w / scale) in -bound..bound (scale 0 divides by 1). k % g == 0. */
+void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, float bound, int8_t *q,
+                   float *scales32, _Float16 *scales16)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        float row[k];
+        widen_row(w, bf16, r, k, row);
+        for (int64_t j = 0; j < k / g; j++) {
+            const float *x = row + j * g;
+            float top = 0.0f;
+            for (int64_t c = 0; c < g; c++)
+                top = fabsf(x[c]) > top ? fabsf(x[c]) : top;
+            float s = top / bound;
+            if (scales16) {
+                const _Float16 s16 = (_Float16)s;
+                scales16[r * (k / g) + j] = s16;
+                s = (float)s16;
+            } else {
+                scales32[r * (k / g) + j] = s;
+            }
+            s = s == 0.0f ? 1.0f : s;
+            int8_t *out = q + r * k + j * g;
+            for (int64_t c = 0; c < g; c++)
+                out[c] = (int8_t)clampf(nearbyintf(x[c] / s), -bound, bound);
+        }
+    }
+}
+
+int quantize_available(void) { return 1; }
