@@ -54,6 +54,94 @@ static float quantize_row(const float *y, int64_t k, uint8_t *u)
     return s;
 }
 
+/* The LoRA adapter slot row r runs on linear l, or -1 (the base model alone, or no pair for l). */
+static inline int64_t lora_slot(const struct linear *l, const struct step *s, int64_t r)
+{
+    return l->lora_a && s->lora_slots ? s->lora_slots[r] : -1;
+}
+
+/* t [rank] = x [k] A^T [k, rank]: a broadcast input element times the A^T row, 16 ranks a vector; four
+ * accumulators a vector (inputs c mod 4) so that the sum is not one chain of dependent FMAs. */
+static void lora_project(const float *x, const float *a, int64_t k, int64_t rank, float *t)
+{
+    for (int64_t j = 0; j < rank; j += 16) {
+        const __mmask16 m = lanes(rank - j);
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        int64_t c = 0;
+        for (; c + 4 <= k; c += 4)
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[c + i]), load(a + (c + i) * rank + j, m), acc[i]);
+        for (; c < k; c++)
+            acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(x[c]), load(a + c * rank + j, m), acc[0]);
+        store(t + j, m, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+}
+
+/* Row r's projection x A^T into s->lora_t where it runs an adapter on l: x is the linear's float input
+ * before smoothing and quantization. */
+static inline void lora_keep(const float *x, const struct linear *l, const struct step *s, int64_t r)
+{
+    const int64_t slot = lora_slot(l, s, r);
+    if (slot >= 0)
+        lora_project(x, l->lora_a + slot * l->k * l->lora_rank, l->k, l->lora_rank, s->lora_t + r * s->lora_width);
+}
+
+/* Lanes of a vector that starts `left` values before the end of a row (none at or past it). */
+static inline __mmask16 lanes_left(int64_t left) { return left <= 0 ? 0 : lanes(left); }
+
+#define EXPAND_VECTORS 8 /* output vectors a pass over B^T keeps in registers: FMAs in flight */
+
+/* y [n] += (t [rank] / sx) B^T [rank, n]: the delta in the units of the GEMM's products, which the pass
+ * after the GEMM multiplies by the row's scale sx. */
+static void lora_expand(const float *t, const float *b, int64_t rank, int64_t n, float sx, float *y)
+{
+    for (int64_t c = 0; c < n; c += 16 * EXPAND_VECTORS) {
+        __m512 acc[EXPAND_VECTORS];
+        for (int v = 0; v < EXPAND_VECTORS; v++)
+            acc[v] = load(y + c + 16 * v, lanes_left(n - c - 16 * v));
+        for (int64_t j = 0; j < rank; j++) {
+            const __m512 tj = _mm512_set1_ps(t[j] / sx);
+            for (int v = 0; v < EXPAND_VECTORS; v++)
+                acc[v] = _mm512_fmadd_ps(tj, load(b + j * n + c + 16 * v, lanes_left(n - c - 16 * v)), acc[v]);
+        }
+        for (int v = 0; v < EXPAND_VECTORS; v++)
+            store(y + c + 16 * v, lanes_left(n - c - 16 * v), acc[v]);
+    }
+}
+
+/* The LoRA deltas of the rows that run an adapter on l added to the GEMM's products out [rows, n], from
+ * their projections kept by lora_keep. */
+static void lora_add(const struct linear *l, const struct step *s, float *out)
+{
+    if (!l->lora_a || !s->lora_slots)
+        return;
+#pragma omp parallel for if (s->rows * l->n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < s->rows; r++) {
+        const int64_t slot = s->lora_slots[r];
+        if (slot >= 0)
+            lora_expand(s->lora_t + r * s->lora_width, l->lora_b + slot * l->lora_rank * l->n, l->lora_rank, l->n,
+                        s->sx[r], out + r * l->n);
+    }
+}
+
+/* Whether any row of the step runs an adapter on l. */
+static int lora_rows(const struct linear *l, const struct step *s)
+{
+    for (int64_t r = 0; r < s->rows; r++)
+        if (lora_slot(l, s, r) >= 0)
+            return 1;
+    return 0;
+}
+
+/* y [k] *= smooth, in place (NULL: none). */
+static void smooth_row(float *y, const float *smooth, int64_t k)
+{
+    if (!smooth)
+        return;
+    for (int64_t c = 0; c < k; c += 16)
+        store(y + c, lanes(k - c), _mm512_mul_ps(load(y + c, lanes(k - c)), load(smooth + c, lanes(k - c))));
+}
+
 /* tmp = x * smooth (or x itself without one), then quantized: each row of a linear's input. */
 static void quantize_input(const float *x, const struct linear *l, const struct step *s)
 {
@@ -61,6 +149,7 @@ static void quantize_input(const float *x, const struct linear *l, const struct 
 #pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
     for (int64_t r = 0; r < s->rows; r++) {
         const float *y = x + r * k;
+        lora_keep(y, l, s, r);
         if (l->smooth) {
             float *t = s->tmp + r * k;
             for (int64_t c = 0; c < k; c += 16)
@@ -85,12 +174,17 @@ static void norm_quantize(const float *x, const float *w, const struct linear *l
             sq = _mm512_fmadd_ps(v, v, sq);
         }
         const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)k + s->eps));
+        const int adapter = lora_slot(l, s, r) >= 0; /* its projection needs the norm before smoothing */
         for (int64_t c = 0; c < k; c += 16) {
             __mmask16 m = lanes(k - c);
             __m512 y = _mm512_mul_ps(_mm512_mul_ps(load(xr + c, m), inv), load(w + c, m));
-            if (l->smooth)
+            if (l->smooth && !adapter)
                 y = _mm512_mul_ps(y, load(l->smooth + c, m));
             store(t + c, m, y);
+        }
+        if (adapter) {
+            lora_keep(t, l, s, r);
+            smooth_row(t, l->smooth, k);
         }
         s->sx[r] = quantize_row(t, k, s->u + r * k);
     }
@@ -157,12 +251,17 @@ static void silu_quantize(const struct linear *down, const struct step *s)
         const float *gate = s->gate_up + r * 2 * i, *up = gate + i;
         float *t = s->tmp + r * i;
         const __m512 sr = _mm512_set1_ps(s->sx[r]);
+        const int adapter = lora_slot(down, s, r) >= 0; /* its projection needs the activation before smoothing */
         for (int64_t c = 0; c < i; c += 16) {
             __mmask16 m = lanes(i - c);
             __m512 y = silu_times(_mm512_mul_ps(load(gate + c, m), sr), _mm512_mul_ps(load(up + c, m), sr));
-            if (down->smooth)
+            if (down->smooth && !adapter)
                 y = _mm512_mul_ps(y, load(down->smooth + c, m));
             store(t + c, m, y);
+        }
+        if (adapter) {
+            lora_keep(t, down, s, r);
+            smooth_row(t, down->smooth, i);
         }
         s->sx[r] = quantize_row(t, i, s->u + r * i);
     }
@@ -183,9 +282,13 @@ static inline double now(void)
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* out [rows, n] = the GEMM's products of the quantized input in s->u, plus the rows' LoRA deltas. */
 static inline int gemm(const struct step *s, const struct linear *l, float *out)
 {
-    return s->gemm(s->u, l->k, s->rows, l->k, l->panels, l->correction, l->scale, l->n, out);
+    if (s->gemm(s->u, l->k, s->rows, l->k, l->panels, l->correction, l->scale, l->n, out))
+        return -1;
+    lora_add(l, s, out);
+    return 0;
 }
 
 /* x [rows, hidden] (the residual stream) through `count` layers in place, each pass split between the
@@ -210,10 +313,13 @@ static int layer_passes(const struct layer *layers, int64_t count, const struct 
             return -1;
         add_scaled(x, s->proj, s->hidden, s);
         norm_quantize(x, L->post_norm, &L->gate_up, s);
-        /* the activation from the GEMM's tiles (the products never stored), else from the stored products */
+        /* the activation from the GEMM's tiles (the products never stored), else from the stored products;
+         * always the latter where rows run adapters on the MLP (deltas before SiLU, the activation kept before
+         * smoothing) */
         const struct linear *gu = &L->gate_up;
-        const int fused = s->gemm_silu(s->u, gu->k, s->rows, gu->k, gu->panels, gu->correction, gu->scale,
-                                       s->intermediate, s->sx, L->down.smooth, s->tmp);
+        const int fused = lora_rows(gu, s) || lora_rows(&L->down, s) ? -2 :
+            s->gemm_silu(s->u, gu->k, s->rows, gu->k, gu->panels, gu->correction, gu->scale, s->intermediate, s->sx,
+                         L->down.smooth, s->tmp);
         if (fused == -1 || (fused == -2 && gemm(s, gu, s->gate_up)))
             return -1;
         if (fused == 0)
@@ -295,6 +401,8 @@ static struct step rows_of(const struct step *s, int64_t lo, int64_t hi)
     t.slots += lo, t.tables += lo * s->table_stride, t.lens += lo, t.first += lo;
     t.u += lo * widest, t.sx += lo, t.tmp += lo * widest, t.qkv += lo * n_qkv, t.q += lo * nq, t.attn += lo * nq;
     t.gate_up += lo * 2 * s->intermediate, t.proj += lo * s->hidden;
+    if (t.lora_slots)
+        t.lora_slots += lo, t.lora_t += lo * s->lora_width;
     return t;
 }
 
@@ -360,7 +468,7 @@ static const struct {
     size_t offset, size;
 } LAYOUT[] = {
     SIZE(linear), FIELD(linear, panels), FIELD(linear, correction), FIELD(linear, scale), FIELD(linear, smooth),
-    FIELD(linear, n), FIELD(linear, k),
+    FIELD(linear, n), FIELD(linear, k), FIELD(linear, lora_a), FIELD(linear, lora_b), FIELD(linear, lora_rank),
     SIZE(layer), FIELD(layer, input_norm), FIELD(layer, post_norm), FIELD(layer, qkv), FIELD(layer, o),
     FIELD(layer, gate_up), FIELD(layer, down), FIELD(layer, k_pool), FIELD(layer, v_pool), FIELD(layer, k_scale),
     FIELD(layer, v_scale),
@@ -370,6 +478,7 @@ static const struct {
     FIELD(step, first), FIELD(step, table_stride), FIELD(step, num_blocks), FIELD(step, gemm),
     FIELD(step, gemm_silu), FIELD(step, write), FIELD(step, decode), FIELD(step, u), FIELD(step, sx),
     FIELD(step, tmp), FIELD(step, qkv), FIELD(step, q), FIELD(step, attn), FIELD(step, gate_up), FIELD(step, proj),
+    FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_width),
 };
 
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size)

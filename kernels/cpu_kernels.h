@@ -49,13 +49,17 @@ int paged_integer_scores(void);
 /* kernels/cpu_decode_layers.c: a run of W8A8 decoder layers. */
 
 /* A W8A8 linear: the GEMM's packed weight, correction and column scales, and the smoothing vector its
- * input is multiplied by (NULL: none). y [rows, n] = x [rows, k] W^T. */
+ * input is multiplied by (NULL: none). y [rows, n] = x [rows, k] W^T. Its resident LoRA pairs, stacked per
+ * adapter slot (NULL where no slot's adapter targets it): A^T [slots, k, lora_rank] and B^T scaled
+ * [slots, lora_rank, n], zero past each slot's own rank; a row of adapter slot i adds x A^T[i] B^T[i]. */
 struct linear {
     const int8_t *panels;
     const int32_t *correction;
     const float *scale;
     const float *smooth;
     int64_t n, k;
+    const float *lora_a, *lora_b;
+    int64_t lora_rank;
 };
 
 struct layer {
@@ -79,6 +83,11 @@ struct step {
     decode_fn *decode;
     uint8_t *u;
     float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
+    /* each row's LoRA adapter slot (-1: the base model), NULL when no row has one; lora_t: scratch for
+     * each row's rank-space projection, lora_width floats a row (the widest lora_rank) */
+    const int64_t *lora_slots;
+    float *lora_t;
+    int64_t lora_width;
 };
 
 /* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails and split_rows

@@ -206,14 +206,14 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 lora: LoraStep | None = None) -> torch.Tensor:
-        """`lora`: the step's adapter deltas (`lora_step`). Such a step skips the native layers, which have no
-        deltas in them (compiled graphs call the deltas' operator)."""
+        """`lora`: the step's adapter deltas (`lora_step`): the native layers add them in their loops, the
+        compiled graphs call the deltas' operator."""
         if self.kernel_choice is not None:
             self.kernel_choice.record(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         native_rows = getattr(attn, "native_rows", None)  # the paged attention's native kernel, if it has one
-        if lora is not None or self.native_layers is None or native_rows is None \
-                or not self.native_layers.run(x, positions, native_rows()):
+        if self.native_layers is None or native_rows is None \
+                or not self.native_layers.run(x, positions, native_rows(), lora):
             cos_sin = self.rope(positions)
             with bound_backend(attn), bound_lora(lora):
                 for run in self.layer_runs:

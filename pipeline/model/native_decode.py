@@ -8,7 +8,8 @@ paged attention called from C (figures in docs/performance.md).
 
 What it takes: one rank, float32 activations, every layer the plain Llama layout (no biases, no q/k norm)
 with its four linears on the native VNNI GEMM (chosen at load, `pipeline.model.w8a8_gemm`), and a step in
-W8A8 whose every row the paged attention runs through its native kernel (`NativeRows`).
+W8A8 whose every row the paged attention runs through its native kernel (`NativeRows`). Rows with a LoRA
+adapter run here too: the layers add each linear's delta from the model's `LoraTable` stacks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from kernels.cpu_decode_layers import Layer, Linear, Step
 from kernels.native_build import function_address
 from kernels.packed_int8 import packed_weight
 from kernels.vnni_gemm import NativeInt8Weight
+from pipeline.model.lora.delta import LoraStep
+from pipeline.model.lora.table import LoraTable
 from pipeline.model.quant import QuantLinear
 
 
@@ -112,11 +115,14 @@ class NativeDecodeLayers:
         self.gemm = function_address(vnni_gemm.library().int8_gemm)
         self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu)
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
+        self._lora_version = -1  # the LoRA table's version whose stacks the layers hold
+        self._lora_width = 0
         self._scratch = torch.empty(0)
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, rows: NativeRows | None) -> bool:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, rows: NativeRows | None,
+            lora: LoraStep | None = None) -> bool:
         """Run every layer over x [T, hidden] (the residual stream, updated in place) where this step can:
-        W8A8 at T rows, every row native (`rows`). Returns whether it ran."""
+        W8A8 at T rows, every row native (`rows`), with `lora`'s adapter deltas. Returns whether it ran."""
         t = x.shape[0]
         if rows is None or t == 0 or not self.model.kernel_choice.uses_w8a8(t) or not x.is_contiguous():
             return False
@@ -130,6 +136,9 @@ class NativeDecodeLayers:
                     first=rows.first.data_ptr(), table_stride=rows.tables.shape[1],
                     num_blocks=rows.k_pools[0].shape[1], gemm=self.gemm, gemm_silu=self.gemm_silu,
                     write=rows.kernel.write_address, decode=rows.kernel.decode_address, **cfg)
+        slots = None if lora is None else self._lora_slots(lora, t)
+        if slots is not None:
+            step.lora_slots, step.lora_width = slots.data_ptr(), self._lora_width
         self._fill_scratch(step, t)
         rows.spent(cpu_decode_layers.decode_layers(self.layers, step, x.data_ptr()))
         self.model.kernel_choice.native_layer_steps += 1
@@ -142,13 +151,34 @@ class NativeDecodeLayers:
                 entry.k_scale, entry.v_scale = rows.k_scales[i].data_ptr(), rows.v_scales[i].data_ptr()
         self._pools = rows.k_pools
 
+    def _lora_slots(self, lora: LoraStep, t: int) -> torch.Tensor:
+        """Each of the step's T rows' adapter slot (-1: base), the layers' LoRA stacks brought up to date."""
+        table: LoraTable = self.model.lora
+        if table.version != self._lora_version:
+            self._point_at_lora(table)
+        slots = torch.full((t,), -1, dtype=torch.int64)
+        for start, end, slot in lora.segments:
+            slots[start:end] = slot
+        return slots
+
+    def _point_at_lora(self, table: LoraTable) -> None:
+        """The table's stacks are replaced where a load widens them: read their addresses after each load."""
+        for entry, layer in zip(self.layers, self.model.layers):
+            for linear, module in zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer)):
+                a, b = table.a[module.lora_id], table.b[module.lora_id]
+                linear.lora_a, linear.lora_b = _address(a), _address(b)
+                linear.lora_rank = 0 if a is None else a.shape[2]
+        self._lora_width = max((a.shape[2] for a in table.a if a is not None), default=0)
+        self._lora_version = table.version
+
     def _fill_scratch(self, step: Step, t: int) -> None:
         """Point the step's scratch buffers into one float32 allocation, kept and grown as steps need."""
         first = self.layers[0]
         widest = max(step.hidden, step.heads * step.head_dim, step.intermediate)
         sizes = {"tmp": t * widest, "qkv": t * first.qkv.n, "q": t * step.heads * step.head_dim,
                  "attn": t * step.heads * step.head_dim, "gate_up": t * first.gate_up.n, "proj": t * step.hidden,
-                 "sx": t, "u": -(-t * widest // 4)}  # u: uint8, in float32 units
+                 "sx": t, "u": -(-t * widest // 4),  # u: uint8, in float32 units
+                 "lora_t": t * step.lora_width}
         total = sum(-(-n // 16) * 16 for n in sizes.values())  # each buffer 64-byte aligned
         if self._scratch.numel() < total:
             self._scratch = torch.empty(total, dtype=torch.float32)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_decode_layers, dispatch, vnni_gemm
+from pipeline.engine.adapters import LoraConfig
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.request import Request, SamplingParams
@@ -18,6 +19,7 @@ from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import load_model
 from pipeline.model.native_decode import native_decode_reason
 from pipeline.model.w8a8_gemm import NATIVE, PLAIN
+from tests.lora_adapters import make_adapter, make_adapters
 from tests.model.gemm_script import script_gemm_choice
 from tests.reference import assert_only_near_ties, greedy_decode
 from tests.tiny_model import build_tiny_checkpoint
@@ -56,6 +58,7 @@ class Pair:
     expected: torch.Tensor
     got: torch.Tensor | None
     loose: torch.Tensor  # [T] bool
+    adapters: bool = False  # some row ran a LoRA adapter
 
 
 def _paired_steps(monkeypatch) -> list[Pair]:
@@ -77,8 +80,10 @@ def _paired_steps(monkeypatch) -> list[Pair]:
         model.native_layers, model.run_layers = native, compiled
         loose = _one_step_rows(quantized, positions)
         ran.clear()
+        if lora is not None:
+            lora.calls = 0  # the torch layers' deltas count their linears from the first again
         got = forward(model, ids, positions, attn, lora)
-        pairs.append(Pair(ids.shape[0], expected, got if ran else None, loose))
+        pairs.append(Pair(ids.shape[0], expected, got if ran else None, loose, lora is not None))
         return got
 
     monkeypatch.setattr(LlamaModel, "forward", both)
@@ -191,6 +196,78 @@ def test_steps_split_by_rows_between_threads_give_the_bits_of_one_thread(tiny_mo
     for pair, alone in zip(split, one):
         assert pair.got is not None and torch.equal(pair.got, alone.got), pair.rows
     _assert_steps_same_arithmetic(split)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """PEFT adapters of ranks 8 and 64 on the tiny model (tests/lora_adapters.py's three)."""
+    pytest.importorskip("peft")
+    return make_adapters(tiny_model_dir, tmp_path_factory.mktemp("native_lora"))
+
+
+def _lora_pairs(loaded, adapters: dict, monkeypatch, count: int, rows: int, max_loaded: int, threads: int = 1,
+                tokens: int = 5) -> list[Pair]:
+    """`count` prompts of 2-30 tokens cycling the base model and each adapter (consecutive prompts another
+    adapter), paired steps of at most `rows` sequences on `threads` threads."""
+    names = [None, *adapters]
+    prompts = [[1 + (11 * i + j) % 900 for j in range(2 + (7 * i) % 29)] for i in range(count)]
+    config = EngineConfig(kv_cache_memory="16MiB", max_batch_size=rows, max_batched_tokens=max(64, rows))
+    engine = Engine(loaded, config, lora=LoraConfig({k: str(v) for k, v in adapters.items()}, max_loaded))
+    sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    pairs = _paired_steps(monkeypatch)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = list(engine.generate(Request(i, p, sp, adapter=names[i % len(names)]) for i, p in enumerate(prompts)))
+    finally:
+        torch.set_num_threads(threads_before)
+    assert all(r.finish_reason == "length" for r in results)
+    return pairs
+
+
+def _assert_adapter_steps_native(pairs: list[Pair]) -> None:
+    """Every pass ran natively, adapter rows among them, each with the torch layers' arithmetic."""
+    assert any(pair.adapters for pair in pairs) and all(pair.got is not None for pair in pairs)
+    _assert_steps_same_arithmetic(pairs)
+
+
+@pytest.mark.parametrize("count, rows, max_loaded, threads", [(8, 1, 3, 1), (72, 72, 3, 2), (12, 4, 1, 1)],
+                         ids=["one row", "72 rows split by rows", "one slot: reloads, ranks 8 then 64"])
+def test_adapter_rows_run_natively_with_the_torch_layers_deltas(tiny_model_dir, adapters, native_gemm, monkeypatch,
+                                                                count, rows, max_loaded, threads):
+    """Rows of adapters of rank 8 (q and v; rsLoRA on o, gate and down) and 64 (every projection) mixed with
+    base rows: the native layers add each linear's deltas as the eager torch layers do, at one row a step, at
+    72 (split between two threads by rows) and with one slot whose adapter changes (its stacks widened from
+    rank 8 to 64 and replaced while the native layers hold their addresses)."""
+    loaded = load_model(tiny_model_dir, quant="w8a8")
+    assert loaded.model.native_layers is not None, native_decode_reason(loaded.model)
+    pairs = _lora_pairs(loaded, adapters, monkeypatch, count, rows, max_loaded, threads)
+    _assert_adapter_steps_native(pairs)
+    if max_loaded > 1:  # decode steps of `rows` rows (one slot: a batch waits for its adapter to change)
+        assert any(pair.adapters and pair.rows == rows for pair in pairs)
+
+
+def test_adapter_rows_on_the_mlp_leave_the_fused_activation_for_the_stored_products(tmp_path, native_gemm,
+                                                                                  monkeypatch):
+    """An MLP width on the GEMM's panel takes the fused gate_up + SiLU entry, which has no deltas before the
+    SiLU: a step with adapter rows on the MLP runs the stored products instead (same values as the torch
+    layers'), and steps of base rows alone keep the fused entry."""
+    pytest.importorskip("peft")
+    checkpoint = build_tiny_checkpoint(tmp_path / "wide", seed=3, intermediate_size=4 * vnni_gemm.PANEL)
+    mlp = {"m": make_adapter(checkpoint, tmp_path / "m", 8, ["gate_proj", "up_proj", "down_proj"], seed=5)}
+    loaded = load_model(checkpoint, quant="w8a8")
+    native = loaded.model.native_layers
+    assert native is not None, native_decode_reason(loaded.model)
+    fused = []
+    entry = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 11)(lambda *args: fused.append(1) or -2)
+    native.gemm_silu = ctypes.cast(entry, ctypes.c_void_p).value  # counts its calls, then refuses
+    pairs = _lora_pairs(loaded, mlp, monkeypatch, count=8, rows=8, max_loaded=1, tokens=8)
+    _assert_adapter_steps_native(pairs)
+    layers = len(loaded.model.layers)
+    assert len(fused) == layers * sum(not pair.adapters for pair in pairs)
+    fused.clear()
+    _generate(loaded, max_tokens=2)  # base rows alone
+    assert len(fused) >= 2 * layers
 
 
 def _split(lens: list[int], first: list[int] | None = None, threads: int = 2) -> list[int]:

@@ -12,7 +12,8 @@ operations per linear, not a pair per adapter (small matmuls are mostly call ove
 
 A step binds its `LoraStep` for the length of a forward pass (`bound_lora`), as attention binds its backend;
 `ParallelLinear.forward` calls `add_lora` after its base product. Outside such a step it returns the base
-output untouched, so base-only steps (compiled graphs, CUDA graphs, the native decoder layers) never see it.
+output untouched, so base-only steps (compiled graphs, CUDA graphs) never see it. The native W8A8 decoder
+layers (`pipeline.model.native_decode`) add the same deltas in their own loops, from the table's stacks.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class LoraStep:
 
     def __init__(self, pairs: Pairs, segments: list[Segment], device: torch.device):
         self.pairs = pairs
+        self.segments = segments  # the native decoder layers read the step's slots from them
         self.calls = 0  # linears of the forward pass so far (each one's lora_id)
         short = [s for s in segments if s[1] - s[0] <= SHORT_RUN]
         tokens: dict[int, list[int]] = {}

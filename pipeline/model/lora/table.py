@@ -72,6 +72,7 @@ class LoraTable:
         self.a: list[torch.Tensor | None] = [None] * len(self.linears)
         self.b: list[torch.Tensor | None] = [None] * len(self.linears)
         self.ranks: list[list[int]] = [[0] * slots for _ in self.linears]
+        self.version = 0  # loads so far: a stack may be a new tensor after one (the native layers re-read them)
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Place `adapter` in `slot` (whatever was there is dropped)."""
@@ -85,6 +86,7 @@ class LoraTable:
                 parts = grouped.get((i, name))
                 pair = linear_pair(linear, parts, adapter.scale, dtype, device) if parts else None
                 self._place(linear.lora_id, slot, pair)
+        self.version += 1
 
     def _place(self, lora_id: int, slot: int, pair: Pair | None) -> None:
         """Write `pair` (None: nothing) into the stacks of linear `lora_id`, widening them to its rank."""
