@@ -1,5 +1,5 @@
-/* Round-to-nearest weight quantization at load, one pass per group: kernels/wq_reference.py's quantize_int4
- * and quantize_int8, bit for bit.
+/* Round-to-nearest weight quantization at load, one pass per group, and its inverse: kernels/wq_reference.py's
+ * quantize_int4, quantize_int8 and dequantize, bit for bit.
  *
  * Why native code: the torch reference makes five to eight elementwise passes over every weight (min, max,
  * subtract, divide, round, clamp, pack), each a kernel launch over a cache-sized slice; on a 1B-parameter
@@ -91,6 +91,32 @@ void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, flo
             int8_t *out = q + r * k + j * g;
             for (int64_t c = 0; c < g; c++)
                 out[c] = (int8_t)clampf(nearbyintf(x[c] / s), -bound, bound);
+        }
+    }
+}
+
+/* w = q * scale (+ min) per group of g, in float32: q int4 (packed two per byte, 0..15) or int8 (signed);
+ * scales and mins (NULL: none) float32 [n, k / g]. Two roundings (product, then sum), as the reference. */
+void dequantize(const void *q, int bits, int64_t n, int64_t k, int64_t g, const float *scales, const float *mins,
+                float *out)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t j = 0; j < k / g; j++) {
+            const float s = scales[r * (k / g) + j], m = mins ? mins[r * (k / g) + j] : 0.0f;
+            float *w = out + r * k + j * g;
+            if (bits == 4) {
+                const uint8_t *p = (const uint8_t *)q + (r * k + j * g) / 2;
+                for (int64_t c = 0; c < g; c += 2) {
+                    const float even = (float)(p[c / 2] & 15) * s, odd = (float)(p[c / 2] >> 4) * s;
+                    w[c] = mins ? even + m : even;
+                    w[c + 1] = mins ? odd + m : odd;
+                }
+            } else {
+                const int8_t *p = (const int8_t *)q + r * k + j * g;
+                for (int64_t c = 0; c < g; c++)
+                    w[c] = mins ? (float)p[c] * s + m : (float)p[c] * s;
+            }
         }
     }
 }

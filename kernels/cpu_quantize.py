@@ -1,8 +1,9 @@
-"""Load-time weight quantizers: `kernels.wq_reference`'s `quantize_int4` and `quantize_int8`, bit for bit,
-in one native pass per group (`kernels/cpu_quantize.c`) where it can run, else the reference itself.
+"""Load-time weight quantizers and their inverse: `kernels.wq_reference`'s `quantize_int4`, `quantize_int8` and
+`dequantize`, bit for bit, in one native pass per group (`kernels/cpu_quantize.c`) where it can run, else the
+reference itself.
 
-Why: the reference's elementwise passes dominated a first start of a 1B-parameter model (most of its
-quantization time was spent in them); the native pass reads each weight once. Any CPU with a C compiler
+Why: the reference's elementwise passes dominated a first start of a 1B-parameter model (rounding every
+weight, then dequantizing each linear twice in the calibration pass); the native pass reads each weight once. Any CPU with a C compiler
 runs it (plain C, no vector extension required); `PIPELINE_NATIVE` leaving out `quantize` keeps the reference.
 """
 
@@ -30,6 +31,7 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.quantize_int4.argtypes = [pointer, ctypes.c_int, size, size, size, pointer, pointer, pointer]
     library.quantize_int8.argtypes = [pointer, ctypes.c_int, size, size, size, ctypes.c_float, pointer, pointer,
                                       pointer]
+    library.dequantize.argtypes = [pointer, ctypes.c_int, size, size, size, pointer, pointer, pointer]
     return library
 
 
@@ -77,3 +79,21 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None, bound: int = 1
                                        scales.data_ptr() if per_channel else None,
                                        None if per_channel else scales.data_ptr())
     return q, scales
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """`kernels.wq_reference.dequantize`: float32 [N, K] weights from the stored format."""
+    packed_columns = qweight.shape[-1] * (2 if bits == 4 else 1)
+    groups = scales.shape[-1] if scales.dim() == 2 else 0
+    stored = {4: torch.uint8, 8: torch.int8}.get(bits)
+    if unavailable_reason() or qweight.dtype != stored or qweight.dim() != 2 or qweight.device.type != "cpu" \
+            or not groups or packed_columns % groups or (mins is not None and mins.shape != scales.shape):
+        return wq_reference.dequantize(qweight, scales, mins, bits)
+    n, k = qweight.shape[0], packed_columns
+    q = qweight.contiguous()
+    s = scales.float().contiguous()
+    m = None if mins is None else mins.float().contiguous()
+    out = torch.empty(n, k)
+    _library_or_reason().dequantize(q.data_ptr(), bits, n, k, k // groups, s.data_ptr(),
+                                    None if m is None else m.data_ptr(), out.data_ptr())
+    return out

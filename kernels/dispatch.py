@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_quantize import dequantize
 from kernels.packed_int8 import FULL_RANGE, packed_int8_products, weight_bound
 from kernels.w8a8_reference import quantize_rows
 from kernels.wq_cpu import CPU_ACTIVATION_DTYPE, CpuPacked, cpu_matmul
-from kernels.wq_reference import dequantize
 
 
 def wq_matmul(

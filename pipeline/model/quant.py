@@ -36,7 +36,7 @@ from torch import nn
 
 from kernels import cpu_w4a8
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
-from kernels.cpu_quantize import quantize_int4, quantize_int8
+from kernels.cpu_quantize import dequantize, quantize_int4, quantize_int8
 from kernels.dispatch import (
     as_products,
     int8_outputs,
@@ -55,7 +55,7 @@ from kernels.wq_cpu import (
     pack_for_cpu,
     weight_only_kernels_fast,
 )
-from kernels.wq_reference import dequantize, group_size_of, pack_int4
+from kernels.wq_reference import group_size_of, pack_int4
 from pipeline.model.calibration import LinearInput, calibrate
 from pipeline.model.config import QUANT_GROUP_SIZES, QUANT_SCHEMES
 from pipeline.model.fp8_linear import Fp8Linear

@@ -77,3 +77,18 @@ def test_the_reference_runs_where_the_native_pass_cannot(monkeypatch: pytest.Mon
     finally:
         monkeypatch.undo()
         cpu_quantize._library_or_reason.cache_clear()
+
+
+@pytest.mark.parametrize("bits,group,with_mins", [(4, 32, True), (4, 64, False), (8, 32, False), (8, None, False),
+                                                  (8, 32, True)])
+def test_dequantize_equals_the_reference(build: str, bits: int, group: int | None, with_mins: bool) -> None:
+    w = crafted(12, 256, 32)
+    if bits == 4:
+        q, scales, mins = cpu_quantize.quantize_int4(w, group)
+    else:
+        (q, scales), mins = cpu_quantize.quantize_int8(w, group), None
+    if with_mins and mins is None:  # an int8 format with offsets: the reference adds them too
+        mins = torch.randn(scales.shape).to(scales.dtype)
+    mins = mins if with_mins else None
+    native = cpu_quantize.dequantize(q, scales, mins, bits)
+    assert native.dtype == torch.float32 and torch.equal(native, wq_reference.dequantize(q, scales, mins, bits))
