@@ -372,7 +372,7 @@ def smoothing_factors(input_absmax: torch.Tensor, weight: torch.Tensor, alpha: f
     W8A8 layout multiplies weight column j by s_j and divides input channel j by it, the same product with
     the activations' range moved into the weights (which are quantized per output channel)."""
     a = input_absmax.float().clamp_min(1e-5)
-    w = weight.abs().amax(0).float().clamp_min(1e-5)
+    w = torch.maximum(weight.amax(0), weight.amin(0).neg()).float().clamp_min(1e-5)  # max |w|, no |w| copy
     return (a.pow(alpha) / w.pow(1 - alpha)).clamp_min(1e-5)
 
 
