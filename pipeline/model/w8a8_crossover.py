@@ -142,9 +142,19 @@ def drop_unused_int4_layouts(model: torch.nn.Module) -> int:
     return freed
 
 
+def settled(step_seconds: dict[int, tuple[float, float]]) -> bool:
+    """Whether W8A8 was no slower than weight-only at the two largest sizes timed so far: larger steps are
+    not timed then. A weight-only step's products grow with its rows (each row streams the dequantized
+    weights through the vector units) while W8A8's stay near flat up to the tens of rows, so the larger
+    sizes would only confirm the crossing, and they are the costliest to time (the 1B shape's 32-row
+    weight-only step took as long as its 1-8-row ones together)."""
+    largest = sorted(step_seconds)[-2:]
+    return len(largest) == 2 and all(step_seconds[r][1] <= step_seconds[r][0] for r in largest)
+
+
 def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
     """Time both kinds of step's products on `model` (quantized with both layouts, W8A8 attached) at 1, 2,
-    4 ... `max_rows` rows, alternating, and return where W8A8 starts to win."""
+    4 ... `max_rows` rows, alternating, until `settled`, and return where W8A8 starts to win."""
     layer = model.layers[0]
     linears = [m for m in layer.modules() if isinstance(m, QuantLinear)]
     head = model.lm_head
@@ -163,10 +173,21 @@ def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
             seconds[rows] = (timed[0], timed[1])
             if native:
                 w4a8[rows] = (timed[0], timed[2])
+            if settled(_on_kernels(seconds, w4a8)):
+                break
     below = w4a8_limit(w4a8)
-    if below is not None:  # the weight-only steps below it run on W4A8
-        seconds = {r: (w4a8[r][1] if r < below else wo, w8) for r, (wo, w8) in seconds.items()}
+    seconds = _on_kernels(seconds, w4a8)
     return Crossover(crossing(seconds), seconds, w4a8, below)
+
+
+def _on_kernels(seconds: dict[int, tuple[float, float]],
+                w4a8: dict[int, tuple[float, float]]) -> dict[int, tuple[float, float]]:
+    """{rows: (weight-only, W8A8)} with each weight-only step on the kernel it runs on: W4A8 below
+    `w4a8_limit`, torch's int4 kernel from there."""
+    below = w4a8_limit(w4a8)
+    if below is None:
+        return seconds
+    return {r: (w4a8[r][1] if r < below else wo, w8) for r, (wo, w8) in seconds.items()}
 
 
 def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int,
