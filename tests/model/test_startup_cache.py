@@ -42,7 +42,7 @@ def test_a_damaged_entry_is_rebuilt_not_trusted(tmp_path, caplog, damage):
     cache, calls = StartupCache(tmp_path), []
     name = cache.key("figures")
     cache.fetch(name, counted(list(range(100)), calls), *JSON_ENTRY)
-    payload, seal = tmp_path / name, tmp_path / f"{name}.sha256"
+    payload, seal = tmp_path / name, tmp_path / f"{name}.seal"
     data = payload.read_bytes()
     if damage == "truncated":
         payload.write_bytes(data[: len(data) // 2])
@@ -160,11 +160,11 @@ def test_the_folder_keeps_the_entries_used_last_within_its_size(tmp_path):
     names = [cache.key("figures", i=i) for i in range(3)]
     for age, name in enumerate(names):
         cache.fetch(name, lambda: "x" * 1000, *JSON_ENTRY)
-        os.utime(tmp_path / f"{name}.sha256", ns=(age * 10**9, age * 10**9))  # written in this order
+        os.utime(tmp_path / f"{name}.seal", ns=(age * 10**9, age * 10**9))  # written in this order
     assert cache.fetch(names[0], lambda: "rebuilt", *JSON_ENTRY) == "x" * 1000  # read: now the latest used
     cache.max_bytes = 2100  # two fit
     cache.fetch(cache.key("figures", i=3), lambda: "y" * 1000, *JSON_ENTRY)
-    left = {p.name for p in tmp_path.iterdir() if not p.name.endswith((".lock", ".sha256"))}
+    left = {p.name for p in tmp_path.iterdir() if not p.name.endswith((".lock", ".seal"))}
     assert left == {names[0], cache.key("figures", i=3)}  # names[1] and names[2] were used longest ago
     assert cache.fetch(names[0], lambda: "rebuilt", *JSON_ENTRY) == "x" * 1000
     huge = StartupCache(tmp_path, max_bytes=10)
