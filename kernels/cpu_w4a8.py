@@ -1,12 +1,14 @@
 """The native W4A8 GEMM for small CPU steps (`kernels/cpu_w4a8_gemm.c`): int4 weights in groups of 32, packed
-once at load, times activations quantized to int8 per group of 32 in the kernel.
+once at load, times activations quantized in the kernel to two int8 parts per group of 32 (the rounding and
+its remainder).
 
 Why: a decode step of a few rows reads every weight once, so it should run at memory bandwidth; torch's int4
 CPU kernel (`kernels.wq_cpu`) reached ~3 GB/s of a ~27 GB/s machine at one row and its time grows with the
 rows. `model.quant=auto` times this kernel against torch's at load and runs it where it is faster
 (`pipeline.model.w8a8_crossover`). The weights are the int4 ones the load made (scales and mins as float16,
-which the int4 and GGUF formats already are); only the activations are rounded more than in W4A16:
-`w4a8_reference` is the arithmetic, and docs/quantization.md has its accuracy.
+which the int4 and GGUF formats already are); the activations, in two int8 parts, keep about 14 bits of each
+group's range: `w4a8_reference` is the arithmetic, and docs/quantization.md has its accuracy (one int8 part
+alone cost SmolLM2 +1.1% perplexity, two +SECOND).
 
 Built by `kernels.native_build`; where it cannot run (no AVX-512 VNNI, no C compiler, `PIPELINE_NATIVE`
 leaving out `w4a8`), `unavailable_reason` says why and the weight-only steps keep torch's kernel.
@@ -108,22 +110,30 @@ def w4a8_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float x [M, K] -> (int8 q [M, K], float32 scales [M, K/32]): per group of 32, scale max|x| / 127 (1 where
-    that is 0) and q = round(x / scale), as the kernel quantizes."""
+    """float x [M, K] -> (int8 q [M, K], float32 steps [M, K/32]): per group of 32, step max|x| / 127 (1 where
+    that is 0) and q = round(x / step), as the kernel rounds each part."""
     xg = x.float().unflatten(-1, (-1, GROUP))
-    scale = xg.abs().amax(-1).div(127)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return torch.round(xg / scale.unsqueeze(-1)).flatten(-2).to(torch.int8), scale
+    step = xg.abs().amax(-1).div(127)
+    step = torch.where(step == 0, torch.ones_like(step), step)
+    return torch.round(xg / step.unsqueeze(-1)).flatten(-2).to(torch.int8), step
+
+
+def activation_parts(x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """float x [M, K] -> the kernel's two int8 parts, each (q, steps): x rounded per group, then the remainder
+    x - q step (computed exactly, rounded once to float32) rounded the same way."""
+    q, step = quantize_groups(x)
+    rest = (x.double() - q.double() * step.double().repeat_interleave(GROUP, dim=-1)).float()
+    return [(q, step), quantize_groups(rest)]
 
 
 def w4a8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in plain torch, float32 [M, N]: exact per-group integer sums of the quantized
-    activations and the int4 weights, times the activation and weight scales (float16), plus the weight
-    mins times the float activations' group sums."""
-    q, a = quantize_groups(x)
+    """The kernel's arithmetic in plain torch, float32 [M, N]: exact per-group integer sums of each activation
+    part and the int4 weights, times the part's steps and the weight scales (float16), plus the weight mins
+    times the float activations' group sums."""
     w = unpack_int4(qweight).double().unflatten(-1, (-1, GROUP))  # [N, G, 32]
-    dots = torch.einsum("mgk,ngk->mng", q.double().unflatten(-1, (-1, GROUP)), w)  # exact: integers < 2^53
-    sums = x.double().unflatten(-1, (-1, GROUP)).sum(-1)  # [M, G]
     s, m = scales.to(torch.float16).double(), mins.to(torch.float16).double()
-    y = (dots * a.double().unsqueeze(1) * s.unsqueeze(0)).sum(-1) + sums @ m.T
+    y = x.double().unflatten(-1, (-1, GROUP)).sum(-1) @ m.T
+    for q, step in activation_parts(x):
+        dots = torch.einsum("mgk,ngk->mng", q.double().unflatten(-1, (-1, GROUP)), w)  # exact: integers < 2^53
+        y = y + (dots * step.double().unsqueeze(1) * s.unsqueeze(0)).sum(-1)
     return y.float()

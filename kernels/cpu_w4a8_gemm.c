@@ -1,16 +1,21 @@
 /* W4A8 GEMM for small decode steps (1..~16 rows) on CPUs with AVX-512 VNNI: int4 weights in groups of 32 with
  * a float16 scale and min each (w = q * scale + min, q in 0..15), packed once at load, times activations
- * quantized here to int8 per group of 32 (one float scale per group and row, as llama.cpp's Q8 blocks).
+ * quantized here to int8 per group of 32, in two parts: the int8 rounding, then the int8 rounding of what it
+ * left (each with one float scale per group and row).
  *
  * Why: a small step reads every weight once and does almost nothing else, so it should run at memory
  * bandwidth. torch's int4 CPU kernel (bfloat16 activations) read an 8192 x 2048 weight at one row at
  * ~3 GB/s of a ~27 GB/s machine, and its time grows with the rows. Here each group of 32 weights of 32
  * output channels is 640 bytes read once, unpacked with two logic ops and multiplied with vpdpbusd (weights
- * as the unsigned operand: no zero point), the rows of a step sharing each load.
+ * as the unsigned operand: no zero point), the rows of a step sharing each load. Why two parts: one int8
+ * rounding per group cost SmolLM2 +1.1% perplexity (most of it in down_proj, whose inputs have outliers that
+ * set their group's step); the second part's products cost arithmetic a step of a few rows has to spare
+ * while it waits on memory, and take the activations' error to about 1/127 of that.
  *
- * Arithmetic, per row and output channel: y = sum over groups g of a_g * s_g * (sum_k xq_k q_k) + m_g *
- * (sum_k x_k), where a_g = max|x| / 127 over the group (1 where that is 0), xq = rint(x / a_g) and the
- * integer sums are exact (int32). The min term takes the float activations' group sum: it needs no rounding.
+ * Arithmetic, per row and output channel: y = sum over groups g of s_g * (a_g * sum_k xq_k q_k + b_g *
+ * sum_k rq_k q_k) + m_g * (sum_k x_k), where a_g = max|x| / 127 over the group (1 where that is 0),
+ * xq = rint(x / a_g), r = x - xq a_g (rounded once to float), b_g and rq the same of r, and the integer sums
+ * are exact (int32). The min term takes the float activations' group sum: it needs no rounding.
  *
  * Packed layout: output channels in panels of NR = 32 (two vectors of 16; the last panel zero-padded); a
  * panel is KG = K / 32 groups of GROUP_BYTES, one after another, so a thread streams its panels in order.
@@ -28,10 +33,10 @@
 #define GROUP 32
 #define NV 2
 #define NR (16 * NV)
-#define MR 4                         /* rows per register tile */
+#define MR 2                         /* rows per register tile */
+#define PARTS 2                      /* int8 parts per activation: the rounding and its remainder */
 #define QUAD_BYTES (NR * GROUP / 2)  /* 512: the nibbles of a group */
 #define GROUP_BYTES (QUAD_BYTES + 4 * NR)
-#define PREFETCH_BYTES 2048          /* how far ahead of the group it multiplies a thread fetches */
 
 /* Whether this build has the kernel (1) or only its stubs (0: no AVX-512 VNNI at build time). */
 int w4a8_available(void) {
@@ -43,41 +48,54 @@ int w4a8_available(void) {
 }
 
 #ifdef __AVX512VNNI__
-/* Row r of x [m, k] quantized per group: xq int8 [k], scale[g] and the float sum[g] of each group. */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *scale, float *sum) {
-    for (int64_t g = 0; g < k / GROUP; g++) {
+/* One group of 32 values rounded to int8 against its own step: q = rint(x / step), step = max|x| / 127 (1
+ * where that is 0); returns the step. */
+static float round_group(const float *x, int8_t *q) {
+    float amax = 0.0f;
+    for (int t = 0; t < GROUP; t++)
+        amax = fabsf(x[t]) > amax ? fabsf(x[t]) : amax;
+    float step = amax / 127.0f;
+    step = step == 0.0f ? 1.0f : step;
+    for (int t = 0; t < GROUP; t++)
+        q[t] = (int8_t)nearbyintf(x[t] / step);
+    return step;
+}
+
+/* A row x [k] in the kernel's two parts: xq [PARTS][k] int8, their steps [PARTS][kg], and each group's float
+ * sum [kg]. The remainder r = x - xq step is computed in double (the product is exact) and rounded once. */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *step, float *sum) {
+    int64_t kg = k / GROUP;
+    for (int64_t g = 0; g < kg; g++) {
         const float *xg = x + g * GROUP;
-        float amax = 0.0f, total = 0.0f;
-        for (int t = 0; t < GROUP; t++) {
-            amax = fabsf(xg[t]) > amax ? fabsf(xg[t]) : amax;
-            total += xg[t];
-        }
-        float a = amax / 127.0f;
-        a = a == 0.0f ? 1.0f : a;
+        int8_t *q = xq + g * GROUP, *rq = xq + k + g * GROUP;
+        float r[GROUP], total = 0.0f;
         for (int t = 0; t < GROUP; t++)
-            xq[g * GROUP + t] = (int8_t)nearbyintf(xg[t] / a);
-        scale[g] = a, sum[g] = total;
+            total += xg[t];
+        step[g] = round_group(xg, q);
+        for (int t = 0; t < GROUP; t++)
+            r[t] = (float)((double)xg[t] - (double)q[t] * (double)step[g]);
+        step[kg + g] = round_group(r, rq);
+        sum[g] = total;
     }
 }
 
-/* out[r][c] for the R rows of a tile (rows ldo apart) and the `cols` valid channels of panel `w`. R is a
- * constant at every call, so each tile height compiles to its own unrolled loop. */
+/* out[r][c] for the R rows of a tile (rows ldo apart) and the `cols` valid channels of panel `w`; xq, step
+ * and sum as quantize_row writes them, row after row. R is a constant at every call, so each tile height
+ * compiles to its own unrolled loop. */
 static inline __attribute__((always_inline)) void panel_tile(
-        const int R, const uint8_t *w, int64_t kg, const int8_t *xq, int64_t k, const float *scale,
-        const float *sum, int fetch, float *out, int64_t ldo, int cols) {
+        const int R, const uint8_t *w, int64_t kg, const int8_t *xq, int64_t k, const float *step,
+        const float *sum, float *out, int64_t ldo, int cols) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[MR][NV];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NV; j++)
             acc[r][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < kg; g++, w += GROUP_BYTES) {
-        if (fetch)
-            for (int line = 0; line < GROUP_BYTES; line += 64)
-                _mm_prefetch((const char *)w + PREFETCH_BYTES + line, _MM_HINT_T0);
-        __m512i dots[MR][NV];
+        __m512i dots[MR][PARTS][NV];
         for (int r = 0; r < R; r++)
-            for (int j = 0; j < NV; j++)
-                dots[r][j] = _mm512_setzero_si512();
+            for (int p = 0; p < PARTS; p++)
+                for (int j = 0; j < NV; j++)
+                    dots[r][p][j] = _mm512_setzero_si512();
         for (int i = 0; i < 4; i++) {
             __m512i lo[NV], hi[NV];
             for (int j = 0; j < NV; j++) {
@@ -85,22 +103,24 @@ static inline __attribute__((always_inline)) void panel_tile(
                 lo[j] = _mm512_and_si512(v, low);
                 hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xg = xq + r * k + g * GROUP + 4 * i;
-                __m512i xl = _mm512_set1_epi32(*(const int32_t *)xg);
-                __m512i xh = _mm512_set1_epi32(*(const int32_t *)(xg + 16));
-                for (int j = 0; j < NV; j++)
-                    dots[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[r][j], lo[j], xl), hi[j], xh);
-            }
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < PARTS; p++) {
+                    const int8_t *xg = xq + (r * PARTS + p) * k + g * GROUP + 4 * i;
+                    __m512i xl = _mm512_set1_epi32(*(const int32_t *)xg);
+                    __m512i xh = _mm512_set1_epi32(*(const int32_t *)(xg + 16));
+                    for (int j = 0; j < NV; j++)
+                        dots[r][p][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[r][p][j], lo[j], xl), hi[j], xh);
+                }
         }
         for (int j = 0; j < NV; j++) {
             __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + QUAD_BYTES + 32 * j)));
             __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + QUAD_BYTES + 2 * NR + 32 * j)));
             for (int r = 0; r < R; r++) {
-                int64_t at = r * (k / GROUP) + g;
-                __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(scale[at]));
-                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][j]), step, acc[r][j]);
-                acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum[at]), acc[r][j]);
+                for (int p = 0; p < PARTS; p++) {
+                    __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(step[(r * PARTS + p) * kg + g]));
+                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][p][j]), scaled, acc[r][j]);
+                }
+                acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum[r * kg + g]), acc[r][j]);
             }
         }
     }
@@ -121,30 +141,29 @@ static inline __attribute__((always_inline)) void panel_tile(
 int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *out) {
 #ifdef __AVX512VNNI__
     int64_t kg = k / GROUP, panels = (n + NR - 1) / NR;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *groups = malloc((size_t)(2 * m * kg) * sizeof(float));
+    int8_t *xq = malloc((size_t)(m * PARTS * k));
+    float *groups = malloc((size_t)((PARTS + 1) * m * kg) * sizeof(float));
     if (xq == NULL || groups == NULL) {
         free(xq), free(groups);
         return -1;
     }
-    float *scale = groups, *sum = groups + m * kg;
+    float *step = groups, *sum = groups + PARTS * m * kg;
     for (int64_t r = 0; r < m; r++)
-        quantize_row(x + r * lda, k, xq + r * k, scale + r * kg, sum + r * kg);
+        quantize_row(x + r * lda, k, xq + r * PARTS * k, step + r * PARTS * kg, sum + r * kg);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *w = packed + p * kg * GROUP_BYTES;
         int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
         for (int64_t t = 0; t < m; t += MR) {
-            /* the first row tile reads the panel from memory; the others find it in cache */
-            const int8_t *q = xq + t * k;
-            const float *sc = scale + t * kg, *su = sum + t * kg;
+            /* the first row tile reads the panel from memory (the hardware prefetchers follow each thread's
+             * stream: software prefetching at 1-16 KiB ahead measured no faster); the others find it in cache */
+            const int8_t *q = xq + t * PARTS * k;
+            const float *st = step + t * PARTS * kg, *su = sum + t * kg;
             float *o = out + t * n + p * NR;
-            switch (m - t < MR ? m - t : MR) {
-            case 1: panel_tile(1, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
-            case 2: panel_tile(2, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
-            case 3: panel_tile(3, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
-            default: panel_tile(4, w, kg, q, k, sc, su, t == 0, o, n, cols); break;
-            }
+            if (m - t < MR)
+                panel_tile(1, w, kg, q, k, st, su, o, n, cols);
+            else
+                panel_tile(MR, w, kg, q, k, st, su, o, n, cols);
         }
     }
     free(xq), free(groups);
