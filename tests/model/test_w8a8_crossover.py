@@ -12,6 +12,7 @@ from pipeline.model.attention import WholeSequence
 from pipeline.model.loader import load_model
 from pipeline.model.quant_choice import QuantChoice
 from pipeline.model.w8a8_crossover import apply_measured_crossover, crossing, measure_crossover
+from tests.reference import assert_only_near_ties, greedy_decode
 
 
 @pytest.mark.parametrize("seconds,rows", [
@@ -189,3 +190,19 @@ def test_without_the_kernel_auto_keeps_torchs_int4_kernel(tiny_model_dir, monkey
     assert all(m.w4a8_packed is None for m in model.modules() if hasattr(m, "w4a8_packed"))
     crossover = measure_crossover(model, 2)
     assert crossover.w4a8_seconds == {} and crossover.w4a8_below is None
+
+
+def test_compiled_layers_run_w4a8_steps_as_eager_ones(tiny_model_dir):
+    """The W4A8 GEMM is one operator in the compiled layer graphs: decode steps (1-3 rows, W4A8) of compiled
+    layers give the eager model's tokens, up to near-ties."""
+    if cpu_w4a8.unavailable_reason() is not None:
+        pytest.skip(cpu_w4a8.unavailable_reason())
+    eager, compiled = quantized(tiny_model_dir), quantized(tiny_model_dir)
+    for model in (eager, compiled):
+        model.kernel_choice.w8a8_rows, model.kernel_choice.w4a8_below = 8, 4
+    compiled.compile_layers()
+    prompts = [[1, 504, 3459, 314, 260, 1789, 28, 1017, 7, 42], [1, 77, 5000, 12], [5, 9, 2, 8, 800]]
+    reference = dict(enumerate(greedy_decode(eager, prompts, 6)))
+    compiled.kernel_choice.clear()
+    assert_only_near_ties(reference, {i: d.tokens for i, d in enumerate(greedy_decode(compiled, prompts, 6))})
+    assert compiled.kernel_choice.steps["w4a8"] > 0
