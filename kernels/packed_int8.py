@@ -84,7 +84,8 @@ def pack_int8_weight(owner: object, qweight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"oneDNN int8 packing takes a CPU int8 [N, K] weight, got {qweight.dtype} "
                            f"{tuple(qweight.shape)} on {qweight.device}")
     bound = weight_bound()
-    if qweight.numel() and max(-int(qweight.min()), int(qweight.max())) > bound:
+    low, high = torch.aminmax(qweight) if qweight.numel() else (0, 0)  # one pass over the weight
+    if max(-int(low), int(high)) > bound:
         raise RuntimeError(f"this CPU's packed int8 GEMM is exact for |weight| <= {bound} only (int16 pair "
                            "sums, no VNNI): quantize the weight to that bound")
     return _register(owner, OneDNNWeight(qweight), qweight.numel())
