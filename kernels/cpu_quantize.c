@@ -97,6 +97,34 @@ void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, flo
 
 /* w = q * scale (+ min) per group of g, in float32: q int4 (packed two per byte, 0..15) or int8 (signed);
  * scales and mins (NULL: none) float32 [n, k / g]. Two roundings (product, then sum), as the reference. */
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* The first g - g % 32 values of an int4 group (16 bytes per 32 values) into w: each byte's two nibbles
+ * widened to int32 lanes, put in k order (low nibble first) by one two-source permute each, converted (exact),
+ * times s, plus m where the format has mins. Returns how many values it wrote. */
+static int64_t dequantize_int4_vectors(const uint8_t *p, int64_t g, float s, float m, int with_min, float *w)
+{
+    const __m512i nibble = _mm512_set1_epi32(15);
+    /* lanes 0..15 of a permute index pick from the first source (low nibbles), 16..31 from the second */
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+    int64_t c = 0;
+    for (; c + 32 <= g; c += 32) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + c / 2)));
+        const __m512i low = _mm512_and_si512(bytes, nibble), high = _mm512_srli_epi32(bytes, 4);
+        __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(low, first, high)), vs);
+        __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(low, second, high)), vs);
+        if (with_min)
+            a = _mm512_add_ps(a, vm), b = _mm512_add_ps(b, vm);
+        _mm512_storeu_ps(w + c, a);
+        _mm512_storeu_ps(w + c + 16, b);
+    }
+    return c;
+}
+#endif
+
 void dequantize(const void *q, int bits, int64_t n, int64_t k, int64_t g, const float *scales, const float *mins,
                 float *out)
 {
@@ -107,7 +135,11 @@ void dequantize(const void *q, int bits, int64_t n, int64_t k, int64_t g, const 
             float *w = out + r * k + j * g;
             if (bits == 4) {
                 const uint8_t *p = (const uint8_t *)q + (r * k + j * g) / 2;
-                for (int64_t c = 0; c < g; c += 2) {
+                int64_t c = 0;
+#ifdef __AVX512F__
+                c = dequantize_int4_vectors(p, g, s, m, mins != NULL, w);
+#endif
+                for (; c < g; c += 2) {
                     const float even = (float)(p[c / 2] & 15) * s, odd = (float)(p[c / 2] >> 4) * s;
                     w[c] = mins ? even + m : even;
                     w[c + 1] = mins ? odd + m : odd;
