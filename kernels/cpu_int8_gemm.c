@@ -15,6 +15,14 @@
  * weight vectors once and broadcasts each row's four activations: 24 vpdpbusd per 3 loads and 8
  * broadcasts. Rows of a tile share the panel, which stays in L1/L2 while the row tiles pass over it.
  *
+ * AMX (CPUs with amx_int8, where Linux grants the tile state): the same panels feed tdpbusd. A B tile is 16
+ * groups of one panel's 16 channels (16 rows x 64 bytes, 192 bytes apart); an A tile 16 activation rows x 64
+ * k. A row tile is then AR = 16 rows x NR channels in three C tiles, each group of 64 k loading one A and
+ * three B tiles; the last groups (k4 not a multiple of 16) go through a pair of narrower tiles. The int32
+ * sums, exact as vpdpbusd's, are stored to memory and go through the same epilogues, so both paths give the
+ * same bits. Built where the compiler targets AMX (-march=native on such a CPU; -mno-amx-int8 leaves it
+ * out), chosen at run time where the CPU has it and the kernel grants its state (int8_gemm_amx).
+ *
  * Entry points: int8_gemm stores the products; int8_gemm_argmax runs the same tiles and keeps only each
  * row's largest product and its column (an LM head's greedy step); int8_gemm_silu turns a gate_up weight's
  * products into the gated MLP's activation as the tiles come out.
@@ -31,6 +39,18 @@
 #define NV 3 /* vectors of 16 channels per panel */
 #define NR (16 * NV)
 #define STREAM_BYTES (8 << 20)
+#define PARTS 2 /* MR-row parts of the largest row tile (AMX's) */
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
+#define HAVE_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AR 16 /* rows of an AMX row tile */
+#define KB 16 /* groups of 4 k per A or B tile */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#endif
 
 #ifdef __AVX512VNNI__
 typedef float vec __attribute__((vector_size(64)));
@@ -67,6 +87,63 @@ static inline void tile(const uint8_t *a, int64_t lda, const int8_t *panel, int6
     memcpy(out, acc, sizeof acc);
 }
 
+#ifdef HAVE_AMX
+/* The tile registers' shapes (palette 1): tmm0-2 the C tiles (16 x 16 int32), tmm3 the A tile, tmm4-5 the B
+ * tiles, tmm6-7 the A and B tiles of the last `tail` groups (k4 % KB). Loaded by each thread that runs tiles:
+ * the configuration is per thread, and loading it zeroes the tiles. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_configure(int64_t k4) {
+    struct tile_config c = {.palette = 1};
+    int tail = (int)(k4 % KB);
+    for (int i = 0; i < 6; i++)
+        c.rows[i] = AR, c.colsb[i] = 64;
+    if (tail)
+        c.rows[6] = AR, c.colsb[6] = (uint16_t)(4 * tail), c.rows[7] = (uint8_t)tail, c.colsb[7] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* out (int32 [AR][NR], as PARTS register tiles) = the sums of AR rows of a (lda apart) times the panel (k4
+ * groups), with `tile`'s prefetch of the next panel spread over the groups of 64 k. */
+static inline void amx_tile(const uint8_t *a, int64_t lda, const int8_t *panel, int64_t k4, __m512i out[][MR][NV],
+                            const int8_t *next, int64_t lines) {
+    int64_t blocks = k4 / KB, steps = blocks + (k4 % KB != 0), per = steps ? (lines + steps - 1) / steps : 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t b = 0; b < steps; b++) {
+        for (int64_t i = b * per; i < (b + 1) * per && i < lines; i++)
+            _mm_prefetch((const char *)next + i * 64, _MM_HINT_T1);
+        const int8_t *w = panel + b * KB * NR * 4;
+        if (b < blocks) {
+            _tile_loadd(3, a + b * KB * 4, lda);
+            _tile_loadd(4, w, NR * 4);
+            _tile_dpbusd(0, 3, 4);
+            _tile_loadd(5, w + 64, NR * 4);
+            _tile_dpbusd(1, 3, 5);
+            _tile_loadd(4, w + 128, NR * 4);
+            _tile_dpbusd(2, 3, 4);
+        } else {
+            _tile_loadd(6, a + b * KB * 4, lda);
+            _tile_loadd(7, w, NR * 4);
+            _tile_dpbusd(0, 6, 7);
+            _tile_loadd(7, w + 64, NR * 4);
+            _tile_dpbusd(1, 6, 7);
+            _tile_loadd(7, w + 128, NR * 4);
+            _tile_dpbusd(2, 6, 7);
+        }
+    }
+    int32_t *c = (int32_t *)out;
+    _tile_stored(0, c, NR * 4);
+    _tile_stored(1, c + 16, NR * 4);
+    _tile_stored(2, c + 32, NR * 4);
+}
+#endif
+
 /* out[r][c] = (acc[r][c] - correction[c]) * scale[c] for rows r < rows, channels c < cols (of the panel);
  * `stream`: whole vectors bypass the caches (out and ldo aligned to 64 bytes). */
 static inline void store(__m512i acc[MR][NV], int rows, int cols, const int32_t *correction, const float *scale,
@@ -99,21 +176,45 @@ int int8_gemm_available(void) {
 #endif
 }
 
+/* Whether the tiles run on AMX (1): built with it, the CPU has amx_int8 and Linux granted this process the
+ * tile state (asked once); else the AVX-512 VNNI tile (0). */
+int int8_gemm_amx(void) {
+#ifdef HAVE_AMX
+    static int state = -1; /* -1: not asked yet; the answer is the same for every thread that asks */
+    int known = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (known < 0) {
+        unsigned eax, ebx, ecx, edx;
+        int cpu = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 24 & 1) && (edx >> 25 & 1);
+        known = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&state, known, __ATOMIC_RELEASE);
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
+
 #ifdef __AVX512VNNI__
-/* The activations' row tiles: rows read in place in whole tiles; the rows of a partial last tile (every row,
- * where k is not a multiple of 4) copied once into whole tiles padded with zeros (u = 128). */
+/* The activations' row tiles of `rows` rows (AR where the tiles run on AMX, else MR): rows read in place in
+ * whole tiles; the rows of a partial last tile (every row, where k is not a multiple of 4) copied once into
+ * whole tiles padded with zeros (u = 128). */
 struct row_tiles {
     const uint8_t *u;
-    int64_t lda, padded, in_place, tiles;
+    int64_t lda, padded, in_place, tiles, rows;
     uint8_t *spare; /* NULL where every tile is read in place */
 };
 
 /* Returns 0, or -1 where the padded copy could not be allocated. */
 static int row_tiles_init(struct row_tiles *a, const uint8_t *u, int64_t lda, int64_t m, int64_t k) {
-    a->u = u, a->lda = lda, a->padded = (k + 3) / 4 * 4, a->tiles = (m + MR - 1) / MR, a->spare = NULL;
-    a->in_place = a->padded == k ? m / MR * MR : 0;
+#ifdef HAVE_AMX
+    a->rows = int8_gemm_amx() ? AR : MR;
+#else
+    a->rows = MR;
+#endif
+    a->u = u, a->lda = lda, a->padded = (k + 3) / 4 * 4, a->tiles = (m + a->rows - 1) / a->rows, a->spare = NULL;
+    a->in_place = a->padded == k ? m / a->rows * a->rows : 0;
     if (a->in_place < m) {
-        size_t bytes = (size_t)((a->tiles - a->in_place / MR) * MR * a->padded);
+        size_t bytes = (size_t)((a->tiles - a->in_place / a->rows) * a->rows * a->padded);
         a->spare = malloc(bytes);
         if (a->spare == NULL)
             return -1;
@@ -124,19 +225,46 @@ static int row_tiles_init(struct row_tiles *a, const uint8_t *u, int64_t lda, in
     return 0;
 }
 
+/* Each thread that runs row tiles calls these around them (AMX's tile configuration is per thread). */
+static inline void tiles_begin(const struct row_tiles *a, int64_t k4) {
+#ifdef HAVE_AMX
+    if (a->rows == AR)
+        amx_configure(k4);
+#endif
+    (void)a, (void)k4;
+}
+
+static inline void tiles_end(const struct row_tiles *a) {
+#ifdef HAVE_AMX
+    if (a->rows == AR)
+        _tile_release();
+#endif
+    (void)a;
+}
+
+/* The rows of part h (MR rows each) of a row tile of `rows` rows. */
+static inline int part_rows(int rows, int h) { return rows - h * MR < MR ? rows - h * MR : MR; }
+
 /* The sums of row tile t (of m rows) times panel p (of `panels`) of the packed weight (k4 groups of 4) into
- * acc; returns the tile's rows. Each row tile of a panel also fetches its share of the next panel: a panel is
+ * acc (MR-row parts: one for the VNNI tile, PARTS for AMX's); returns the tile's rows. Each row tile of a panel also fetches its share of the next panel: a panel is
  * read from memory once, by its first row tile, and the hardware prefetcher stops at each 4 KiB page, so
  * without this the first tile waited on memory (SmolLM2 steps of 64 rows: 0.974 of the time, lock-step). */
 static inline int product_tile(const struct row_tiles *a, int64_t m, const int8_t *packed, int64_t k4, int64_t p,
-                               int64_t panels, int64_t t, __m512i acc[MR][NV]) {
-    int own = t * MR < a->in_place;
-    const uint8_t *rows = own ? a->u + t * MR * a->lda : a->spare + (t * MR - a->in_place) * a->padded;
+                               int64_t panels, int64_t t, __m512i acc[PARTS][MR][NV]) {
+    int64_t first = t * a->rows;
+    int own = first < a->in_place;
+    const uint8_t *rows = own ? a->u + first * a->lda : a->spare + (first - a->in_place) * a->padded;
     int64_t panel_bytes = k4 * NR * 4, share = (panel_bytes / a->tiles + 63) / 64 * 64;
     int64_t lines = p + 1 < panels ? share / 64 : 0;
-    tile(rows, own ? a->lda : a->padded, packed + p * panel_bytes, k4, acc, packed + (p + 1) * panel_bytes + t * share,
-         lines, (int)((lines + k4 - 1) / k4));
-    return m - t * MR < MR ? (int)(m - t * MR) : MR;
+    const int8_t *panel = packed + p * panel_bytes, *next = packed + (p + 1) * panel_bytes + t * share;
+#ifdef HAVE_AMX
+    if (a->rows == AR) {
+        amx_tile(rows, own ? a->lda : a->padded, panel, k4, acc, next, lines);
+        return m - first < AR ? (int)(m - first) : AR;
+    }
+#endif
+    tile(rows, own ? a->lda : a->padded, panel, k4, acc[0], next, lines, (int)((lines + k4 - 1) / k4));
+    return m - first < MR ? (int)(m - first) : MR;
 }
 #endif
 
@@ -156,15 +284,19 @@ int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t 
     int stream = m * n * (int64_t)sizeof(float) > STREAM_BYTES && n % 16 == 0 && (uintptr_t)out % 64 == 0;
 #pragma omp parallel
     {
+        tiles_begin(&a, k4);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
             for (int64_t t = 0; t < a.tiles; t++) {
-                __m512i acc[MR][NV];
+                __m512i acc[PARTS][MR][NV];
                 int rows = product_tile(&a, m, packed, k4, p, panels, t, acc);
-                store(acc, rows, cols, correction + p * NR, scale + p * NR, out + t * MR * n + p * NR, n, stream);
+                for (int h = 0; h * MR < rows; h++)
+                    store(acc[h], part_rows(rows, h), cols, correction + p * NR, scale + p * NR,
+                          out + (t * a.rows + h * MR) * n + p * NR, n, stream);
             }
         }
+        tiles_end(&a);
         if (stream)
             _mm_sfence(); /* the streamed lines are visible before the caller reads them */
     }
@@ -239,18 +371,23 @@ int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const 
         if (mine != NULL)
             for (int64_t r = 0; r < m; r++)
                 mine[r] = -INFINITY, at[r] = 0;
+        tiles_begin(&a, k4);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             if (mine == NULL)
                 continue;
             int cols = valid - p * NR < NR ? (int)(valid - p * NR) : NR;
             for (int64_t t = 0; t < a.tiles; t++) {
-                __m512i acc[MR][NV];
+                __m512i acc[PARTS][MR][NV];
                 int rows = product_tile(&a, m, packed, k4, p, panels, t, acc);
-                track_max(acc, rows, cols, correction + p * NR, scale + p * NR, row_scale + t * MR, p * NR,
-                          mine + t * MR, at + t * MR);
+                for (int h = 0; h * MR < rows; h++) {
+                    int64_t r0 = t * a.rows + h * MR;
+                    track_max(acc[h], part_rows(rows, h), cols, correction + p * NR, scale + p * NR, row_scale + r0,
+                              p * NR, mine + r0, at + r0);
+                }
             }
         }
+        tiles_end(&a);
 #pragma omp critical
         {
             if (mine == NULL)
@@ -317,24 +454,31 @@ int int8_gemm_silu(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const in
     int failed = 0;
 #pragma omp parallel
     {
-        float *gate = malloc((size_t)(a.tiles * MR * NR) * sizeof(float));
+        float *gate = malloc((size_t)(a.tiles * a.rows * NR) * sizeof(float));
+        tiles_begin(&a, k4);
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < pairs; q++) {
             if (gate == NULL)
                 continue;
             for (int64_t t = 0; t < a.tiles; t++) {
-                __m512i acc[MR][NV];
+                __m512i acc[PARTS][MR][NV];
                 int rows = product_tile(&a, m, packed, k4, q, 2 * pairs, t, acc);
-                store(acc, rows, NR, correction + q * NR, scale + q * NR, gate + t * MR * NR, NR, 0);
+                for (int h = 0; h * MR < rows; h++)
+                    store(acc[h], part_rows(rows, h), NR, correction + q * NR, scale + q * NR,
+                          gate + (t * a.rows + h * MR) * NR, NR, 0);
             }
             int64_t p = pairs + q;
             for (int64_t t = 0; t < a.tiles; t++) {
-                __m512i acc[MR][NV];
+                __m512i acc[PARTS][MR][NV];
                 int rows = product_tile(&a, m, packed, k4, p, 2 * pairs, t, acc);
-                silu_store(acc, rows, correction + p * NR, scale + p * NR, gate + t * MR * NR, row_scale + t * MR,
-                           smooth ? smooth + q * NR : NULL, out + t * MR * half + q * NR, half);
+                for (int h = 0; h * MR < rows; h++) {
+                    int64_t r0 = t * a.rows + h * MR;
+                    silu_store(acc[h], part_rows(rows, h), correction + p * NR, scale + p * NR, gate + r0 * NR,
+                               row_scale + r0, smooth ? smooth + q * NR : NULL, out + r0 * half + q * NR, half);
+                }
             }
         }
+        tiles_end(&a);
         if (gate == NULL) {
 #pragma omp atomic write
             failed = 1;

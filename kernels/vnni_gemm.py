@@ -6,7 +6,8 @@ gives the same bits: float32 exact int32 sums x the column's scale. Why a kernel
 counts decode steps run (64-256), with a step's weights streaming from memory, oneDNN's int8 GEMMs
 (`torch._int_mm` and the packed one) reached 55-87% of this class of CPU's int8 peak, and 64 rows were the
 worst; one register tile of 8 rows x 48 channels looping over a packed panel does better there (figures in
-docs/performance.md). The model times it against oneDNN's at load and keeps the faster
+docs/performance.md). On CPUs with AMX the same panels feed AMX tiles of 16 rows x 48 channels instead
+(`uses_amx`), as fast as oneDNN's AMX GEMM; `PIPELINE_KERNEL_FLAGS=-mno-amx-int8` builds the VNNI tile. The model times it against oneDNN's at load and keeps the faster
 (`pipeline.model.w8a8_gemm`). Its argmax entry (`NativeInt8Weight.argmax`) gives
 each row's best column of the products without storing them, for the int8 LM head's greedy steps; its SiLU
 entry (`int8_gemm_silu`, called from the native decode layers) gives a gate_up weight's gated activation
@@ -62,7 +63,15 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.int8_gemm_silu.restype = ctypes.c_int
     library.int8_gemm_pack.argtypes = [pointer, size, size, pointer, pointer]
     library.int8_gemm_pack.restype = None
+    library.int8_gemm_amx.argtypes = []
+    library.int8_gemm_amx.restype = ctypes.c_int
     return library
+
+
+def uses_amx() -> bool:
+    """Whether the kernel's tiles run on AMX here (built with it, the CPU has amx_int8, Linux granted the
+    tile state), else on AVX-512 VNNI: the same bits either way. RuntimeError where the kernel cannot run."""
+    return bool(library().int8_gemm_amx())
 
 
 class NativeInt8Weight:
