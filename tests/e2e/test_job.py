@@ -339,6 +339,9 @@ def test_a_second_auto_start_reads_what_the_first_derived(tmp_path, tiny_model_d
     write_shards(tmp_path / "in")
     cache = f"model.startup_cache_dir={tmp_path / 'cache'}"
     args = (tiny_model_dir, f"{tmp_path}/in/*.parquet")
+    from pipeline.model import startup_cache
+
+    monkeypatch.setattr(startup_cache, "cpus_busy", lambda: False)  # a quiet machine: no timing is redone
     first = run(job(*args, tmp_path / "out1", "model.quant=auto", cache, "output.token_ids=true"), stdout=io.StringIO())
 
     def refuse(*a, **k):
@@ -436,8 +439,8 @@ def test_auto_times_its_crossing_on_the_loaded_model(tmp_path, tiny_model_dir, i
     assert model["w8a8_rows"] == model["quant_auto"]["w8a8_rows"]
     assert "model.quant=auto on this CPU: W8A8 from" in caplog.text
     assert sum(model["kernel_steps"].values()) == metrics["steps"]
-    if model["w8a8_rows"] is None:
-        assert model["kernel_steps"] == {"int4": metrics["steps"]}
+    if model["w8a8_rows"] is None:  # weight-only steps: torch's int4 kernel, or the W4A8 GEMM where timed faster
+        assert set(model["kernel_steps"]) <= {"int4", "w4a8"}
     elif model["w8a8_rows"] == 1:
         assert model["kernel_steps"] == {"w8a8": metrics["steps"]}
 
