@@ -157,12 +157,11 @@ def _cached_probe(cache: StartupCache) -> Callable[[], ProbeResult]:
     """The hardware probe, measured at this machine's first start and read from `cache` after."""
     import torch
 
-    from pipeline.model.startup_cache import JSON_ENTRY
     from pipeline.perf.probe import ProbeResult, probe
 
     def measure() -> ProbeResult:
         key = cache.key("probe", threads=torch.get_num_threads())
-        return ProbeResult(**cache.fetch(key, lambda: asdict(probe()), *JSON_ENTRY))
+        return ProbeResult(**cache.fetch_timing(key, lambda: asdict(probe())))
 
     return measure
 
@@ -171,12 +170,11 @@ def _cached_crossover(cache: StartupCache | None, model_key: str | None) -> Call
     """auto's measured W8A8 crossing (`pipeline.model.w8a8_crossover`), timed once per cached model."""
     if cache is None or model_key is None:
         return None
-    from pipeline.model.startup_cache import JSON_ENTRY
     from pipeline.model.w8a8_crossover import Crossover, measure_crossover
 
     def measure(model: Any, rows: int) -> Crossover:
-        return Crossover.from_json(cache.fetch(f"{model_key}.crossover-{rows}",
-                                               lambda: measure_crossover(model, rows).as_json(), *JSON_ENTRY))
+        return Crossover.from_json(cache.fetch_timing(f"{model_key}.crossover-{rows}",
+                                                      lambda: measure_crossover(model, rows).as_json()))
 
     return measure
 

@@ -19,7 +19,7 @@ from pipeline.model.hf_file import HFCheckpoint
 from pipeline.model.llama import LlamaModel
 from pipeline.model.quant import load_quantized, packed_int8_bytes
 from pipeline.model.remote import cached_model, is_url
-from pipeline.model.startup_cache import JSON_ENTRY, MODULE_ENTRY, StartupCache
+from pipeline.model.startup_cache import MODULE_ENTRY, StartupCache
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.model.w8a8_gemm import choose_int8_gemm
 
@@ -170,7 +170,7 @@ def load_model(
             and model.norm.weight.device.type == "cpu":
         gemms = None
         if cache_key is not None:  # timed at the first start, packed for the GEMM chosen then at the next
-            gemms = startup_cache.fetch(f"{cache_key}.gemm", functools.partial(choose_int8_gemm, model), *JSON_ENTRY)
+            gemms = startup_cache.fetch_timing(f"{cache_key}.gemm", functools.partial(choose_int8_gemm, model))
         model.kernel_choice.int8_gemm = choose_int8_gemm(model, gemms)
         model.use_native_layers()
     model.kv_dtype = kv_dtype or dtype

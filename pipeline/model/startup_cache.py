@@ -72,6 +72,17 @@ class DamagedEntry(Exception):
     """An entry whose payload does not match its recorded size and hash (or cannot be decoded)."""
 
 
+class StaleEntry(Exception):
+    """An entry whose value is to be computed again (`StartupCache.fetch`'s `stale`)."""
+
+
+def cpus_busy() -> bool:
+    """Whether other work competes for the CPUs this process may use: the 1-minute load average above their
+    count. A job's own threads count at most one per CPU, so a machine running only the job is not busy; the
+    figures timed on a busy one came out 3-10x slow on 2 cores, enough to turn the load's choices around."""
+    return os.getloadavg()[0] > len(os.sched_getaffinity(0))
+
+
 class StartupCache:
     """One cache folder; `fetch` reads an entry or builds and stores it."""
 
@@ -98,16 +109,19 @@ class StartupCache:
         return self.fetch(memo, lambda: _content_hash(files), *JSON_ENTRY)
 
     def fetch(self, name: str, build: Callable[[], T], dump: Callable[[T, BinaryIO], None],
-              load: Callable[[Path], T]) -> T:
+              load: Callable[[Path], T], stale: Callable[[T], bool] = lambda value: False) -> T:
         """The entry `name` decoded by `load` (from its file), or `build()` stored (written by `dump`) and
-        returned. A damaged entry is logged and rebuilt; a folder that cannot be written is logged and
-        skipped."""
+        returned. A damaged entry is logged and rebuilt, and so is one whose value is `stale`; a folder
+        that cannot be written is logged and skipped."""
         try:
-            value = self._read(name, load)
+            value = self._read(name, load, stale)
             self.read += 1
             return value
         except OSError:  # never written (or not readable): build it
             pass
+        except StaleEntry:
+            log.info("startup cache entry %s was timed while other work shared the CPUs: timing it again",
+                     self.root / name)
         except DamagedEntry as e:
             log.warning("startup cache entry %s is damaged (%s): rebuilding it", self.root / name, e)
         try:
@@ -119,10 +133,10 @@ class StartupCache:
             return build()
         try:
             try:
-                value = self._read(name, load)  # another job built it while this one waited
+                value = self._read(name, load, stale)  # another job built it while this one waited
                 self.read += 1
                 return value
-            except (OSError, DamagedEntry):
+            except (OSError, DamagedEntry, StaleEntry):
                 pass
             self.built += 1
             value = build()
@@ -135,8 +149,21 @@ class StartupCache:
         finally:
             lock.release()
 
-    def _read(self, name: str, load: Callable[[Path], T]) -> T:
-        """The entry's value; OSError where it was never written, DamagedEntry where it does not check out."""
+    def fetch_timing(self, name: str, measure: Callable[[], Any]) -> Any:
+        """A JSON value timed on this machine (the probe's peaks, the GEMM choice, the switch point), read
+        back at later starts. One timed while other work competed for the CPUs (`cpus_busy`) is timed again
+        at the first start that finds them free, so a busy first start does not fix its choices for good."""
+        free = not cpus_busy()
+
+        def timed() -> dict[str, Any]:
+            value = measure()
+            return {"value": value, "busy": cpus_busy()}
+
+        return self.fetch(name, timed, *JSON_ENTRY, stale=lambda entry: free and entry["busy"])["value"]
+
+    def _read(self, name: str, load: Callable[[Path], T], stale: Callable[[T], bool]) -> T:
+        """The entry's value; OSError where it was never written, DamagedEntry where it does not check out,
+        StaleEntry where `stale` rejects it."""
         seal = (self.root / f"{name}.seal").read_text().split()
         path = self.root / name
         found = [str(path.stat().st_size), _content_hash([path])]
@@ -146,6 +173,8 @@ class StartupCache:
             value = load(path)
         except Exception as e:  # a payload that hashes right but does not decode: written by other code
             raise DamagedEntry(f"cannot decode it: {e}") from None
+        if stale(value):
+            raise StaleEntry
         with contextlib.suppress(OSError):  # a folder this job may read but not write is still read
             (self.root / f"{name}.seal").touch()  # used now: the last to be evicted
         return value

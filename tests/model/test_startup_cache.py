@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.model import loader, quant, w8a8_gemm
+from pipeline.model import loader, quant, startup_cache, w8a8_gemm
 from pipeline.model.loader import load_model
 from pipeline.model.startup_cache import JSON_ENTRY, StartupCache
 
@@ -119,6 +119,7 @@ def _hidden_states(model: torch.nn.Module) -> torch.Tensor:
 def test_a_model_read_from_the_cache_is_the_model_a_load_builds(tmp_path, tiny_model_dir, monkeypatch, scheme, rows):
     """The second load reads the quantized model and its GEMM choice (no calibration, no timing) and gives
     the first load's hidden states bit for bit; a truncated entry is rebuilt."""
+    monkeypatch.setattr(startup_cache, "cpus_busy", lambda: False)  # a quiet machine: no timing is redone
     cache = StartupCache(tmp_path)
     options = {"quant": scheme, "w8a8_rows": rows, "prefer_speed": True, "startup_cache": cache}
     first = load_model(tiny_model_dir, **options)
@@ -183,3 +184,30 @@ def test_an_entry_is_read_where_its_use_cannot_be_recorded(tmp_path, monkeypatch
 
     monkeypatch.setattr(Path, "touch", refuse)
     assert cache.fetch(name, counted([2], calls), *JSON_ENTRY) == [1] and len(calls) == 1
+
+
+@pytest.mark.parametrize("busy_then,busy_now,timed_again", [
+    (True, False, True),  # timed on a busy machine, now free: timed again
+    (True, True, False),  # still busy: the busy figure serves
+    (False, False, False),  # timed on a free machine: kept
+    (False, True, False),
+])
+def test_a_timing_from_a_busy_machine_is_redone_once_it_is_free(tmp_path, monkeypatch, busy_then, busy_now,
+                                                                 timed_again):
+    cache, calls = StartupCache(tmp_path), []
+    name = cache.key("timing")
+    monkeypatch.setattr(startup_cache, "cpus_busy", lambda: busy_then)
+    assert cache.fetch_timing(name, counted({"ms": 3.0}, calls)) == {"ms": 3.0}
+    monkeypatch.setattr(startup_cache, "cpus_busy", lambda: busy_now)
+    assert cache.fetch_timing(name, counted({"ms": 1.0}, calls)) == ({"ms": 1.0} if timed_again else {"ms": 3.0})
+    assert len(calls) == 1 + timed_again
+    # what is stored now is read back at the next start in the same state
+    assert StartupCache(tmp_path).fetch_timing(name, counted({"ms": 9.0}, calls)) != {"ms": 9.0}
+
+
+def test_busy_means_a_load_above_the_cpus_this_process_may_use(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 0.5, 0.0, 0.0))
+    assert startup_cache.cpus_busy()
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(cpus), 0.0, 0.0))
+    assert not startup_cache.cpus_busy()
