@@ -156,7 +156,8 @@ def test_measurement_times_w4a8_where_the_linears_have_it(tiny_model_dir):
     if cpu_w4a8.unavailable_reason() is not None:
         assert crossover.w4a8_seconds == {} and crossover.w4a8_below is None
         return
-    assert sorted(crossover.w4a8_seconds) == [1, 2, 4]
+    assert sorted(crossover.w4a8_seconds) == sorted(crossover.step_seconds)  # each size timed, up to settled
+    assert sorted(crossover.w4a8_seconds) == [1, 2, 4][:len(crossover.w4a8_seconds)]
     assert crossover.w4a8_below == w8a8_crossover.w4a8_limit(crossover.w4a8_seconds)
     assert "native W4A8 GEMM" in crossover.describe()
     assert w8a8_crossover.Crossover.from_json(crossover.as_json()) == crossover
