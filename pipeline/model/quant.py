@@ -652,4 +652,5 @@ def load_quantized(
         choice.head_rows = 1
     fast = model.dtype == CPU_ACTIVATION_DTYPE or ((w8a8_rows is not None or prefer_speed) and weight_only_kernels_fast())
     if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
-        pack_model_for_cpu(model, w4a8=prefer_speed)
+        # the W4A8 copy serves auto's weight-only steps once the switch timing (which needs W8A8) picks it
+        pack_model_for_cpu(model, w4a8=prefer_speed and w8a8_rows is not None)
