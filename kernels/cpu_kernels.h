@@ -33,6 +33,16 @@ int int8_gemm_available(void);
 int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *out);
 int w4a8_available(void);
 
+/* kernels/cpu_quantize.c: the load's round-to-nearest weight quantizers and their inverse, bit for bit
+ * kernels/wq_reference.py's; w is float32 (bf16 == 0) or bfloat16 bits. Plain C: available everywhere. */
+void quantize_int4(const void *w, int bf16, int64_t n, int64_t k, int64_t g, uint8_t *packed, _Float16 *scales,
+                   _Float16 *mins);
+void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, float bound, int8_t *q,
+                   float *scales32, _Float16 *scales16);
+void dequantize(const void *q, int bits, int64_t n, int64_t k, int64_t g, const float *scales, const float *mins,
+                float *out);
+int quantize_available(void);
+
 /* kernels/cpu_attention.c: the paged attention's write and decode. The pools' element type is the build's
  * (float32, bfloat16 or int8: -DKV_BF16, -DKV_I8), hence untyped pool pointers. */
 typedef void write_fn(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,

@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpu_kernels.h" /* the entry points, as ctypes calls them */
+
 #pragma GCC optimize("fp-contract=off") /* a * b + c must not become one fused rounding */
 
 /* Row r's k values widened to float32 in out: from float32 (bf16 == 0) or bfloat16 bits. */
