@@ -87,10 +87,13 @@ def main() -> None:
         m = run(compose_job([*common, f"output.path={out}", *keys]), stdout=io.StringIO())
         results.append({"run": name, "generated_tokens_per_s": m["generated_tokens_per_s"],
                         "generate_s": m["generate_time_s"], "mean_batch": m["mean_batch"],
-                        "quant": m["model"]["quant"], "load_average": os.getloadavg()[0]})
+                        "quant": m["model"]["quant"], "native_layer_steps": m["model"]["native_layer_steps"],
+                        "steps": sum(m["model"]["kernel_steps"].values()), "kernel_steps": m["model"]["kernel_steps"],
+                        "quant_auto": m["model"]["quant_auto"], "load_average": os.getloadavg()[0]})
         r = results[-1]
         print(f"{name:>12}: {r['generated_tokens_per_s']:.1f} generated tok/s ({r['generate_s']:.1f} s, "
-              f"mean batch {r['mean_batch']:.1f}, quant {r['quant']}, load {r['load_average']:.1f})", flush=True)
+              f"mean batch {r['mean_batch']:.1f}, quant {r['quant']}, {r['native_layer_steps']} of {r['steps']} "
+              f"steps in the native layers, load {r['load_average']:.1f})", flush=True)
     ratio = results[1]["generated_tokens_per_s"] / results[0]["generated_tokens_per_s"]
     print(f"adapters / base: {ratio:.2f}x (goal >= 0.8x)")
     if args.json:

@@ -19,6 +19,7 @@
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 #include "cpu_kernels.h" /* struct linear, layer and step, and the kernels' entry points */
@@ -54,73 +55,158 @@ static float quantize_row(const float *y, int64_t k, uint8_t *u)
     return s;
 }
 
+/* LoRA deltas, a run of up to LORA_ROWS consecutive rows of one adapter slot at a time: each A^T row and B^T
+ * vector loaded once serves all of them (row by row, the pairs' reads from cache bounded the deltas). */
+#define LORA_ROWS 8
+
 /* The LoRA adapter slot row r runs on linear l, or -1 (the base model alone, or no pair for l). */
 static inline int64_t lora_slot(const struct linear *l, const struct step *s, int64_t r)
 {
     return l->lora_a && s->lora_slots ? s->lora_slots[r] : -1;
 }
 
-/* t [rank] = x [k] A^T [k, rank]: a broadcast input element times the A^T row, 16 ranks a vector; four
- * accumulators a vector (inputs c mod 4) so that the sum is not one chain of dependent FMAs. */
-static void lora_project(const float *x, const float *a, int64_t k, int64_t rank, float *t)
+/* The end of the run of rows from r on with r's slot, at most LORA_ROWS rows and before `end`. */
+static inline int64_t run_end(const int64_t *slots, int64_t r, int64_t end)
+{
+    int64_t e = r + 1;
+    while (e < end && e - r < LORA_ROWS && slots[e] == slots[r])
+        e++;
+    return e;
+}
+
+/* t [g, rank] = x [g, k] A^T [k, rank] / sx (sx NULL: 1): each A^T row's vector of 16 ranks times a broadcast
+ * input element of every row. g is a constant where it is inlined (one accumulator a row). */
+static inline __attribute__((always_inline)) void project_rows(const float *x, int64_t k, const float *a, int64_t rank,
+                                                               const float *sx, float *t, int64_t t_stride, const int g)
 {
     for (int64_t j = 0; j < rank; j += 16) {
         const __mmask16 m = lanes(rank - j);
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        int64_t c = 0;
-        for (; c + 4 <= k; c += 4)
-            for (int i = 0; i < 4; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[c + i]), load(a + (c + i) * rank + j, m), acc[i]);
-        for (; c < k; c++)
-            acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(x[c]), load(a + c * rank + j, m), acc[0]);
-        store(t + j, m, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+        __m512 acc[LORA_ROWS];
+        for (int i = 0; i < g; i++)
+            acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < k; c++) {
+            const __m512 ac = load(a + c * rank + j, m);
+            for (int i = 0; i < g; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * k + c]), ac, acc[i]);
+        }
+        for (int i = 0; i < g; i++)
+            store(t + i * t_stride + j, m, sx ? _mm512_div_ps(acc[i], _mm512_set1_ps(sx[i])) : acc[i]);
     }
-}
-
-/* Row r's projection x A^T into s->lora_t where it runs an adapter on l: x is the linear's float input
- * before smoothing and quantization. */
-static inline void lora_keep(const float *x, const struct linear *l, const struct step *s, int64_t r)
-{
-    const int64_t slot = lora_slot(l, s, r);
-    if (slot >= 0)
-        lora_project(x, l->lora_a + slot * l->k * l->lora_rank, l->k, l->lora_rank, s->lora_t + r * s->lora_width);
 }
 
 /* Lanes of a vector that starts `left` values before the end of a row (none at or past it). */
 static inline __mmask16 lanes_left(int64_t left) { return left <= 0 ? 0 : lanes(left); }
 
-#define EXPAND_VECTORS 8 /* output vectors a pass over B^T keeps in registers: FMAs in flight */
-
-/* y [n] += (t [rank] / sx) B^T [rank, n]: the delta in the units of the GEMM's products, which the pass
- * after the GEMM multiplies by the row's scale sx. */
-static void lora_expand(const float *t, const float *b, int64_t rank, int64_t n, float sx, float *y)
+/* out [g, n] = y [g, n] + t [g, rank] B^T [rank, n] (out may be y): 32 columns of every row at a time, each
+ * B^T vector times a broadcast rank value of every row. g as in project_rows. */
+static inline __attribute__((always_inline)) void expand_rows(const float *t, int64_t t_stride, const float *b,
+                                                              int64_t rank, int64_t n, const float *y, float *out,
+                                                              const int g)
 {
-    for (int64_t c = 0; c < n; c += 16 * EXPAND_VECTORS) {
-        __m512 acc[EXPAND_VECTORS];
-        for (int v = 0; v < EXPAND_VECTORS; v++)
-            acc[v] = load(y + c + 16 * v, lanes_left(n - c - 16 * v));
+    for (int64_t c = 0; c < n; c += 32) {
+        const __mmask16 m0 = lanes_left(n - c), m1 = lanes_left(n - c - 16);
+        __m512 lo[LORA_ROWS], hi[LORA_ROWS];
+        for (int i = 0; i < g; i++)
+            lo[i] = load(y + i * n + c, m0), hi[i] = load(y + i * n + c + 16, m1);
         for (int64_t j = 0; j < rank; j++) {
-            const __m512 tj = _mm512_set1_ps(t[j] / sx);
-            for (int v = 0; v < EXPAND_VECTORS; v++)
-                acc[v] = _mm512_fmadd_ps(tj, load(b + j * n + c + 16 * v, lanes_left(n - c - 16 * v)), acc[v]);
+            const __m512 b0 = load(b + j * n + c, m0), b1 = load(b + j * n + c + 16, m1);
+            for (int i = 0; i < g; i++) {
+                const __m512 tj = _mm512_set1_ps(t[i * t_stride + j]);
+                lo[i] = _mm512_fmadd_ps(tj, b0, lo[i]);
+                hi[i] = _mm512_fmadd_ps(tj, b1, hi[i]);
+            }
         }
-        for (int v = 0; v < EXPAND_VECTORS; v++)
-            store(y + c + 16 * v, lanes_left(n - c - 16 * v), acc[v]);
+        for (int i = 0; i < g; i++)
+            store(out + i * n + c, m0, lo[i]), store(out + i * n + c + 16, m1, hi[i]);
+    }
+}
+
+/* project_rows and expand_rows for a run of g (1 .. LORA_ROWS) rows, each inlined with its g a constant. */
+#define BY_ROWS(call, g)                                                                                                \
+    switch (g) {                                                                                                       \
+    case 1: call(1); break;                                                                                            \
+    case 2: call(2); break;                                                                                            \
+    case 3: call(3); break;                                                                                            \
+    case 4: call(4); break;                                                                                            \
+    case 5: call(5); break;                                                                                            \
+    case 6: call(6); break;                                                                                            \
+    case 7: call(7); break;                                                                                            \
+    default: call(8); break;                                                                                           \
+    }
+
+static void project_run(const float *x, int64_t k, const float *a, int64_t rank, const float *sx, float *t,
+                        int64_t t_stride, int64_t g)
+{
+#define PROJECT(G) project_rows(x, k, a, rank, sx, t, t_stride, G)
+    BY_ROWS(PROJECT, g)
+#undef PROJECT
+}
+
+static void expand_run(const float *t, int64_t t_stride, const float *b, int64_t rank, int64_t n, const float *y,
+                       float *out, int64_t g)
+{
+#define EXPAND(G) expand_rows(t, t_stride, b, rank, n, y, out, G)
+    BY_ROWS(EXPAND, g)
+#undef EXPAND
+}
+
+void lora_delta(const float *x, const float *y, float *out, const int64_t *slots, int64_t slotted, int64_t rows,
+                int64_t k, int64_t n, const float *a, const float *b, int64_t rank)
+{
+    if (rows > slotted) /* rows past the adapters' copy y */
+        memcpy(out + slotted * n, y + slotted * n, (size_t)((rows - slotted) * n) * sizeof(float));
+#pragma omp parallel for if (slotted * n >= PARALLEL_MIN)
+    for (int64_t lo = 0; lo < slotted; lo += LORA_ROWS) {
+        float t[LORA_ROWS * rank];
+        const int64_t end = lo + LORA_ROWS < slotted ? lo + LORA_ROWS : slotted;
+        for (int64_t r = lo, e; r < end; r = e) {
+            e = run_end(slots, r, end);
+            if (slots[r] < 0) {
+                memcpy(out + r * n, y + r * n, (size_t)((e - r) * n) * sizeof(float));
+                continue;
+            }
+            project_run(x + r * k, k, a + slots[r] * k * rank, rank, NULL, t, rank, e - r);
+            expand_run(t, rank, b + slots[r] * rank * n, rank, n, y + r * n, out + r * n, e - r);
+        }
+    }
+}
+
+/* The rows' projections x A^T / sx into s->lora_t, where they run an adapter on l: x [rows, k] is the linear's
+ * float input before smoothing and quantization, sx the scales the quantization just set (the GEMM's products
+ * are in units of them until the pass after it). */
+static void lora_project(const struct linear *l, const struct step *s, const float *x)
+{
+    if (!l->lora_a || !s->lora_slots)
+        return;
+    const int64_t k = l->k, rank = l->lora_rank;
+#pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
+    for (int64_t lo = 0; lo < s->rows; lo += LORA_ROWS) {
+        const int64_t end = lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows;
+        for (int64_t r = lo, e; r < end; r = e) {
+            e = run_end(s->lora_slots, r, end);
+            if (s->lora_slots[r] >= 0)
+                project_run(x + r * k, k, l->lora_a + s->lora_slots[r] * k * rank, rank, s->sx + r,
+                            s->lora_t + r * s->lora_width, s->lora_width, e - r);
+        }
     }
 }
 
 /* The LoRA deltas of the rows that run an adapter on l added to the GEMM's products out [rows, n], from
- * their projections kept by lora_keep. */
+ * their projections (lora_project). */
 static void lora_add(const struct linear *l, const struct step *s, float *out)
 {
     if (!l->lora_a || !s->lora_slots)
         return;
-#pragma omp parallel for if (s->rows * l->n >= PARALLEL_MIN)
-    for (int64_t r = 0; r < s->rows; r++) {
-        const int64_t slot = s->lora_slots[r];
-        if (slot >= 0)
-            lora_expand(s->lora_t + r * s->lora_width, l->lora_b + slot * l->lora_rank * l->n, l->lora_rank, l->n,
-                        s->sx[r], out + r * l->n);
+    const int64_t n = l->n, rank = l->lora_rank;
+#pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
+    for (int64_t lo = 0; lo < s->rows; lo += LORA_ROWS) {
+        const int64_t end = lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows;
+        for (int64_t r = lo, e; r < end; r = e) {
+            e = run_end(s->lora_slots, r, end);
+            if (s->lora_slots[r] >= 0)
+                expand_run(s->lora_t + r * s->lora_width, s->lora_width, l->lora_b + s->lora_slots[r] * rank * n,
+                           rank, n, out + r * n, out + r * n, e - r);
+        }
     }
 }
 
@@ -133,15 +219,6 @@ static int lora_rows(const struct linear *l, const struct step *s)
     return 0;
 }
 
-/* y [k] *= smooth, in place (NULL: none). */
-static void smooth_row(float *y, const float *smooth, int64_t k)
-{
-    if (!smooth)
-        return;
-    for (int64_t c = 0; c < k; c += 16)
-        store(y + c, lanes(k - c), _mm512_mul_ps(load(y + c, lanes(k - c)), load(smooth + c, lanes(k - c))));
-}
-
 /* tmp = x * smooth (or x itself without one), then quantized: each row of a linear's input. */
 static void quantize_input(const float *x, const struct linear *l, const struct step *s)
 {
@@ -149,7 +226,6 @@ static void quantize_input(const float *x, const struct linear *l, const struct 
 #pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
     for (int64_t r = 0; r < s->rows; r++) {
         const float *y = x + r * k;
-        lora_keep(y, l, s, r);
         if (l->smooth) {
             float *t = s->tmp + r * k;
             for (int64_t c = 0; c < k; c += 16)
@@ -178,16 +254,15 @@ static void norm_quantize(const float *x, const float *w, const struct linear *l
         for (int64_t c = 0; c < k; c += 16) {
             __mmask16 m = lanes(k - c);
             __m512 y = _mm512_mul_ps(_mm512_mul_ps(load(xr + c, m), inv), load(w + c, m));
-            if (l->smooth && !adapter)
+            if (adapter)
+                store(s->lora_x + r * k + c, m, y);
+            if (l->smooth)
                 y = _mm512_mul_ps(y, load(l->smooth + c, m));
             store(t + c, m, y);
         }
-        if (adapter) {
-            lora_keep(t, l, s, r);
-            smooth_row(t, l->smooth, k);
-        }
         s->sx[r] = quantize_row(t, k, s->u + r * k);
     }
+    lora_project(l, s, s->lora_x);
 }
 
 /* y = products [rows, n] x the row scales; x += y (the residual stream). */
@@ -255,16 +330,15 @@ static void silu_quantize(const struct linear *down, const struct step *s)
         for (int64_t c = 0; c < i; c += 16) {
             __mmask16 m = lanes(i - c);
             __m512 y = silu_times(_mm512_mul_ps(load(gate + c, m), sr), _mm512_mul_ps(load(up + c, m), sr));
-            if (down->smooth && !adapter)
+            if (adapter)
+                store(s->lora_x + r * i + c, m, y);
+            if (down->smooth)
                 y = _mm512_mul_ps(y, load(down->smooth + c, m));
             store(t + c, m, y);
         }
-        if (adapter) {
-            lora_keep(t, down, s, r);
-            smooth_row(t, down->smooth, i);
-        }
         s->sx[r] = quantize_row(t, i, s->u + r * i);
     }
+    lora_project(down, s, s->lora_x);
 }
 
 /* Each row of y [rows, k] quantized into s->u and s->sx. */
@@ -309,6 +383,7 @@ static int layer_passes(const struct layer *layers, int64_t count, const struct 
                   s->attn, s->rows, s->kv_heads, s->num_blocks, s->attention_scale);
         *attention_seconds += now() - t0;
         quantize_input(s->attn, &L->o, s);
+        lora_project(&L->o, s, s->attn);
         if (gemm(s, &L->o, s->proj))
             return -1;
         add_scaled(x, s->proj, s->hidden, s);
@@ -402,7 +477,7 @@ static struct step rows_of(const struct step *s, int64_t lo, int64_t hi)
     t.u += lo * widest, t.sx += lo, t.tmp += lo * widest, t.qkv += lo * n_qkv, t.q += lo * nq, t.attn += lo * nq;
     t.gate_up += lo * 2 * s->intermediate, t.proj += lo * s->hidden;
     if (t.lora_slots)
-        t.lora_slots += lo, t.lora_t += lo * s->lora_width;
+        t.lora_slots += lo, t.lora_t += lo * s->lora_width, t.lora_x += lo * widest;
     return t;
 }
 
@@ -456,6 +531,12 @@ int decode_layers(const struct layer *layers, int64_t count, const struct step *
 
 int decode_layers_available(void) { return 0; }
 
+void lora_delta(const float *x, const float *y, float *out, const int64_t *slots, int64_t slotted, int64_t rows,
+                int64_t k, int64_t n, const float *a, const float *b, int64_t rank)
+{
+    (void)x, (void)y, (void)out, (void)slots, (void)slotted, (void)rows, (void)k, (void)n, (void)a, (void)b, (void)rank;
+}
+
 #endif
 
 /* The structs' layout as this compiler lays them out, for the test that holds the ctypes mirrors
@@ -478,7 +559,7 @@ static const struct {
     FIELD(step, first), FIELD(step, table_stride), FIELD(step, num_blocks), FIELD(step, gemm),
     FIELD(step, gemm_silu), FIELD(step, write), FIELD(step, decode), FIELD(step, u), FIELD(step, sx),
     FIELD(step, tmp), FIELD(step, qkv), FIELD(step, q), FIELD(step, attn), FIELD(step, gate_up), FIELD(step, proj),
-    FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_width),
+    FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_x), FIELD(step, lora_width),
 };
 
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size)

@@ -15,6 +15,8 @@ import ctypes
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from kernels.native_build import loaded_library
 
 SOURCE = Path(__file__).with_name("cpu_decode_layers.c")
@@ -41,7 +43,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """What every layer of one step shares (`struct step` in kernels/cpu_kernels.h); `lora_slots` [rows]
     int64 each row's adapter slot (-1: base), None when no row has one, `lora_t` scratch of `lora_width`
-    floats a row."""
+    floats a row, `lora_x` as wide as `tmp`."""
 
     _fields_ = [("rows", _size), ("hidden", _size), ("heads", _size), ("kv_heads", _size), ("head_dim", _size),
                 ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
@@ -49,7 +51,8 @@ class Step(ctypes.Structure):
                 ("first", _pointer), ("table_stride", _size), ("num_blocks", _size), ("gemm", _pointer),
                 ("gemm_silu", _pointer), ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer),
                 ("tmp", _pointer), ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer),
-                ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_width", _size)]
+                ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_x", _pointer),
+                ("lora_width", _size)]
 
 
 def unavailable_reason() -> str | None:
@@ -83,6 +86,20 @@ def split_rows(step: Step, threads: int) -> list[int]:
     return list(bounds)
 
 
+def lora_delta(x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """y [T, n] plus each row's LoRA delta x [T, k] a[slot] b[slot] (a [slots, k, R], b [slots, R, n]; float32
+    on CPU) for row t's slot slots[t] (int64; -1, or t past its end: none), as a new tensor: one pass over
+    the rows where torch's gather, two batched matmuls and scatter-add pass over them several times."""
+    library = _library_or_reason()
+    if isinstance(library, str):
+        raise RuntimeError(f"no native decode layers: {library}")
+    x, y, a, b, slots = (t.contiguous() for t in (x, y, a, b, slots))
+    out = torch.empty_like(y)
+    library.lora_delta(x.data_ptr(), y.data_ptr(), out.data_ptr(), slots.data_ptr(), slots.shape[0], y.shape[0],
+                       x.shape[1], y.shape[1], a.data_ptr(), b.data_ptr(), a.shape[2])
+    return out
+
+
 @cache
 def _library_or_reason() -> ctypes.CDLL | str:
     """Built and loaded once per process; a failure is remembered too."""
@@ -94,4 +111,7 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.decode_layers.restype = ctypes.c_int
     library.split_rows.argtypes = [ctypes.POINTER(Step), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     library.split_rows.restype = None
+    library.lora_delta.argtypes = [_pointer, _pointer, _pointer, _pointer, _size, _size, _size, _size, _pointer,
+                                   _pointer, _size]
+    library.lora_delta.restype = None
     return library

@@ -93,18 +93,23 @@ struct step {
     decode_fn *decode;
     uint8_t *u;
     float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
-    /* each row's LoRA adapter slot (-1: the base model), NULL when no row has one; lora_t: scratch for
-     * each row's rank-space projection, lora_width floats a row (the widest lora_rank) */
+    /* each row's LoRA adapter slot (-1: the base model), NULL when no row has one; scratch for each row's
+     * rank-space projection (lora_t, lora_width floats a row: the widest lora_rank) and for a linear's float
+     * input before smoothing (lora_x, as wide as tmp) */
     const int64_t *lora_slots;
-    float *lora_t;
+    float *lora_t, *lora_x;
     int64_t lora_width;
 };
 
-/* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails and split_rows
- * is absent. */
+/* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails, lora_delta is
+ * a stub and split_rows is absent. */
 int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x,
                   double *attention_seconds);
 void split_rows(const struct step *s, int threads, int64_t *bounds);
+/* out [rows, n] = y + each row's LoRA delta x [rows, k] A^T[slot] B^T[slot] (pairs as in struct linear; a
+ * row of slot -1, or past the first `slotted`, copies y): a linear's deltas where the torch layers run it. */
+void lora_delta(const float *x, const float *y, float *out, const int64_t *slots, int64_t slotted, int64_t rows,
+                int64_t k, int64_t n, const float *a, const float *b, int64_t rank);
 int decode_layers_available(void);
 /* Entry i of the layout of the structs above, in every build: the struct's name, a field's name, offset and
  * size, or for the struct's own size a NULL field. Returns 0 past the last entry. */

@@ -156,10 +156,7 @@ class NativeDecodeLayers:
         table: LoraTable = self.model.lora
         if table.version != self._lora_version:
             self._point_at_lora(table)
-        slots = torch.full((t,), -1, dtype=torch.int64)
-        for start, end, slot in lora.segments:
-            slots[start:end] = slot
-        return slots
+        return torch.nn.functional.pad(lora.row_slots, (0, t - lora.row_slots.shape[0]), value=-1)
 
     def _point_at_lora(self, table: LoraTable) -> None:
         """The table's stacks are replaced where a load widens them: read their addresses after each load."""
@@ -178,7 +175,7 @@ class NativeDecodeLayers:
         sizes = {"tmp": t * widest, "qkv": t * first.qkv.n, "q": t * step.heads * step.head_dim,
                  "attn": t * step.heads * step.head_dim, "gate_up": t * first.gate_up.n, "proj": t * step.hidden,
                  "sx": t, "u": -(-t * widest // 4),  # u: uint8, in float32 units
-                 "lora_t": t * step.lora_width}
+                 "lora_t": t * step.lora_width, "lora_x": t * widest if step.lora_width else 0}
         total = sum(-(-n // 16) * 16 for n in sizes.values())  # each buffer 64-byte aligned
         if self._scratch.numel() < total:
             self._scratch = torch.empty(total, dtype=torch.float32)
