@@ -21,9 +21,8 @@
  * thread, against 1.0x with 16 rows: each B tile, read from L2, then serves 32 rows), each group of 64 k
  * loading three B tiles and four A tiles; where k is not a multiple of 64 (or m <= 16), AR = 16 rows in three
  * C tiles, the last groups going through a pair of narrower A and B tiles (no tile register is left for
- * them beside six C tiles). The int32
- * sums, exact as vpdpbusd's, are stored to memory and go through the same epilogues, so both paths give the
- * same bits. Built where the compiler targets AMX (-march=native on such a CPU; -mno-amx-int8 leaves it
+ * them beside six C tiles). The int32 sums, exact as vpdpbusd's, are stored to memory and go through the
+ * same epilogues, so both paths give the same bits. Built where the compiler targets AMX (-march=native on such a CPU; -mno-amx-int8 leaves it
  * out), chosen at run time where the CPU has it and the kernel grants its state (int8_gemm_amx).
  *
  * Entry points: int8_gemm stores the products; int8_gemm_argmax runs the same tiles and keeps only each
@@ -111,7 +110,8 @@ static void amx_configure(int64_t k4, int64_t rows) {
     _tile_loadconfig(&c);
 }
 
-/* As amx_tile, for 2 AR rows and k4 a multiple of KB: each B tile loaded once for both halves of the rows. */
+/* As amx_tile (below), for 2 AR rows (out: int32 [2 AR][NR]) and k4 a multiple of KB: each B tile loaded once
+ * for both halves of the rows. */
 static inline void amx_tile2(const uint8_t *a, int64_t lda, const int8_t *panel, int64_t k4, __m512i out[][MR][NV],
                              const int8_t *next, int64_t lines) {
     int64_t blocks = k4 / KB, per = blocks ? (lines + blocks - 1) / blocks : 0;
@@ -149,7 +149,7 @@ static inline void amx_tile2(const uint8_t *a, int64_t lda, const int8_t *panel,
     _tile_stored(5, c + AR * NR + 32, NR * 4);
 }
 
-/* out (int32 [AR][NR], as PARTS register tiles) = the sums of AR rows of a (lda apart) times the panel (k4
+/* out (int32 [AR][NR], in MR-row register tiles' layout) = the sums of AR rows of a (lda apart) times the panel (k4
  * groups), with `tile`'s prefetch of the next panel spread over the groups of 64 k. */
 static inline void amx_tile(const uint8_t *a, int64_t lda, const int8_t *panel, int64_t k4, __m512i out[][MR][NV],
                             const int8_t *next, int64_t lines) {
