@@ -118,9 +118,8 @@ def test_bad_adapters_are_error_results(tiny_model_dir, adapters, tmp_path):
 
 @pytest.mark.parametrize("quant", ["int8", "w8a8"])
 def test_quantized_base_runs_the_deltas(tiny_model_dir, adapters, rows_and_reference, quant):
-    """The base GEMMs quantized (W8A8: the native decoder layers where they build, which adapter steps
-    leave for the eager layers): each row's first token is still its merged float reference's for nearly
-    every row. Without the deltas, the adapters' rows (three in four) would mostly follow the base model."""
+    """The base GEMMs quantized (W8A8: the native decoder layers where they build, adapter steps with
+    them): each row's first token is still its merged float reference's for nearly every row. Without the deltas, the adapters' rows (three in four) would mostly follow the base model."""
     rows, reference = rows_and_reference
     loaded = load_model(tiny_model_dir, quant=quant)
     results, _ = run(loaded, adapters, rows[:32], 32)
