@@ -43,6 +43,11 @@ TIMED_LAYERS = 4
 ROUNDS = 3  # alternating rounds; each GEMM's figure is the median of its rounds' best
 REPS = 2
 PACKERS = {PACKED: pack_int8_weight, NATIVE: pack_native_int8_weight}
+# The layers take the native GEMM where it times within this of the fastest: only on it do the decoder layers
+# run in one native call (`pipeline.model.native_decode`), which saves more of a step than this (a 1B-shaped
+# model's 64-row step: 111 ms native against 122.5 ms compiled on oneDNN), and timings this close flipped
+# between starts on a 2-core machine.
+NATIVE_LAYERS_MARGIN = 0.1
 SCREEN_CHANNELS = 256  # output channels of the weight slice the screening call runs on
 # A packed call this many times slower than the plain one on the slice is a fallback kernel (the reference
 # kernel ran ~1,300x slower on a Zen 4), not a tuned one losing by a margin
@@ -88,7 +93,7 @@ def choose_int8_gemm(model: nn.Module, known: dict[str, str] | None = None) -> d
             elif len(rule.gemms) == 1:
                 chosen[part] = _named_by_rule(modules, rule)
             else:
-                chosen[part] = _fastest(_timed(model, part, modules), modules, rule)
+                chosen[part] = _fastest(_timed(model, part, modules), modules, rule, native_layers=part == "layers")
     return chosen
 
 
@@ -119,9 +124,10 @@ def _named_by_rule(modules: list[nn.Module], rule: GemmRule) -> str:
     return f"{name} ({'; '.join(notes)})"
 
 
-def _fastest(timed: list[nn.Module], modules: list[nn.Module], rule: GemmRule) -> str:
-    """Time the rule's GEMMs that pass the screening on `timed` (of `modules`), keep the fastest and pack
-    `modules` for it; its answer as `choose_int8_gemm`'s."""
+def _fastest(timed: list[nn.Module], modules: list[nn.Module], rule: GemmRule, native_layers: bool = False) -> str:
+    """Time the rule's GEMMs that pass the screening on `timed` (of `modules`), keep the fastest (for the
+    layers, `native_layers`, the native GEMM within NATIVE_LAYERS_MARGIN of it) and pack `modules` for it; its
+    answer as `choose_int8_gemm`'s."""
     candidates, notes = {}, []
     for name in rule.gemms:
         if name != PLAIN:
@@ -135,6 +141,10 @@ def _fastest(timed: list[nn.Module], modules: list[nn.Module], rule: GemmRule) -
               for handles in [[None] * len(timed), *candidates.values()]]
     seconds = alternating_best(passes, ROUNDS, REPS) if candidates else [0.0]
     winner = names[min(range(len(names)), key=seconds.__getitem__)]
+    if native_layers and NATIVE in candidates and winner != NATIVE \
+            and seconds[names.index(NATIVE)] <= (1 + NATIVE_LAYERS_MARGIN) * min(seconds):
+        winner = NATIVE
+        notes.append(f"{NATIVE} within {NATIVE_LAYERS_MARGIN:.0%} of the fastest: the decoder layers run natively on it")
     for name, handles in candidates.items():
         if name == winner:
             for m, handle in zip(timed, handles):
