@@ -42,6 +42,7 @@ from typing import Any, BinaryIO, TypeVar
 import torch
 import xxhash
 from filelock import FileLock
+from torch.utils.serialization import config as serialization_config
 
 from kernels.native_build import cpu_identity
 from pipeline import __version__
@@ -253,7 +254,10 @@ JSON_ENTRY = (_dump_json, _load_json)  # (dump, load) of an entry holding a JSON
 
 
 def _dump_module(module: torch.nn.Module, f: BinaryIO) -> None:
-    torch.save(module, f)
+    # without the zip records' CRC-32: the seal's hash already checks every byte, and the CRC pass took a
+    # third to a half of writing a 1B model's entry (1 GB: 1.1-1.4 s against 1.8-3.4 s)
+    with serialization_config.patch({"save.compute_crc32": False}):
+        torch.save(module, f)
 
 
 def _load_module(path: Path) -> torch.nn.Module:
