@@ -86,6 +86,17 @@ def split_rows(step: Step, threads: int) -> list[int]:
     return list(bounds)
 
 
+def splits_by_rows(layer: Layer, rows: int, threads: int) -> bool:
+    """Whether `decode_layers` splits a step of `rows` rows between `threads` threads by rows (each thread's
+    rows through every layer on its own) rather than pass by pass: enough rows a thread, and layers whose
+    int8 weights (the sizes in `layer`'s linears) are small enough that saving the passes' barriers beats
+    reading every weight once per thread."""
+    library = _library_or_reason()
+    if isinstance(library, str):
+        raise RuntimeError(f"no native decode layers: {library}")
+    return bool(library.splits_by_rows(ctypes.byref(layer), rows, threads))
+
+
 def lora_delta(x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """y [T, n] plus each row's LoRA delta x [T, k] a[slot] b[slot] (a [slots, k, R], b [slots, R, n]; float32
     on CPU) for row t's slot slots[t] (int64; -1, or t past its end: none), as a new tensor: one pass over
@@ -111,6 +122,8 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.decode_layers.restype = ctypes.c_int
     library.split_rows.argtypes = [ctypes.POINTER(Step), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     library.split_rows.restype = None
+    library.splits_by_rows.argtypes = [ctypes.POINTER(Layer), _size, ctypes.c_int]
+    library.splits_by_rows.restype = ctypes.c_int
     library.lora_delta.argtypes = [_pointer, _pointer, _pointer, _pointer, _size, _size, _size, _size, _pointer,
                                    _pointer, _size]
     library.lora_delta.restype = None

@@ -106,6 +106,9 @@ struct step {
 int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x,
                   double *attention_seconds);
 void split_rows(const struct step *s, int threads, int64_t *bounds);
+/* Whether decode_layers splits a step of `rows` between `threads` threads by rows (else pass by pass): enough
+ * rows a thread, and layers as small as `layer`. */
+int splits_by_rows(const struct layer *layer, int64_t rows, int threads);
 /* out [rows, n] = y + each row's LoRA delta x [rows, k] A^T[slot] B^T[slot] (pairs as in struct linear; a
  * row of slot -1, or past the first `slotted`, copies y): a linear's deltas where the torch layers run it. */
 void lora_delta(const float *x, const float *y, float *out, const int64_t *slots, int64_t slotted, int64_t rows,

@@ -352,3 +352,19 @@ def test_the_switch_turns_the_native_layers_off(monkeypatch):
         assert cpu_decode_layers.unavailable_reason() == "PIPELINE_NATIVE=gemm,attention leaves out the native decode"
     finally:
         cpu_decode_layers._library_or_reason.cache_clear()
+
+
+def _layer(hidden: int, kv: int, intermediate: int) -> cpu_decode_layers.Layer:
+    """A layer's linear sizes alone (what `splits_by_rows` reads), as the model's fused linears have them."""
+    linear = cpu_decode_layers.Linear
+    return cpu_decode_layers.Layer(qkv=linear(n=hidden + 2 * kv, k=hidden), o=linear(n=hidden, k=hidden),
+                                   gate_up=linear(n=2 * intermediate, k=hidden), down=linear(n=hidden, k=intermediate))
+
+
+def test_only_steps_of_small_layers_and_enough_rows_split_by_rows(native_gemm):
+    """SmolLM2's layers (3.5 MB of int8) split by rows from 8 rows a thread; Llama-3.2-1B's (61 MB) never:
+    each thread would read every weight, and its GEMMs dwarf the barriers the split saves."""
+    small, large = _layer(576, 192, 1536), _layer(2048, 512, 8192)
+    assert [cpu_decode_layers.splits_by_rows(small, rows, 2) for rows in (8, 15, 16, 256)] == [False, False, True, True]
+    assert not cpu_decode_layers.splits_by_rows(small, 256, 1)  # one thread: nothing to split
+    assert not any(cpu_decode_layers.splits_by_rows(large, rows, 2) for rows in (16, 64, 256, 4096))
