@@ -51,6 +51,22 @@ class NativeRows:
 
 def native_decode_reason(model: nn.Module) -> str | None:
     """Why `model` (a `pipeline.model.llama.LlamaModel`) cannot run its layers natively (None: it can)."""
+    why = native_model_reason(model)
+    if why:
+        return why
+    for i, layer in enumerate(model.layers):
+        for linear in _linears(layer):
+            if not isinstance(linear, QuantLinear):
+                return f"layer {i} has a linear that is not quantized"
+            handle = linear.int8_layout[2]
+            if handle is None or not isinstance(packed_weight(handle), NativeInt8Weight):
+                return f"layer {i}'s linears do not run on the {NativeInt8Weight.name} GEMM"
+    return None
+
+
+def native_model_reason(model: nn.Module) -> str | None:
+    """Why `model` could not run its layers natively whatever GEMM its linears run on (None: it could, once
+    they run on the native GEMM)."""
     why = cpu_decode_layers.unavailable_reason()
     if why:
         return why
@@ -62,13 +78,6 @@ def native_decode_reason(model: nn.Module) -> str | None:
     cfg = model.config
     if cfg.qk_norm or cfg.attention_bias or cfg.mlp_bias:
         return "the layers have q/k norms or biases (the native layers are the plain Llama layer)"
-    for i, layer in enumerate(model.layers):
-        for linear in _linears(layer):
-            if not isinstance(linear, QuantLinear):
-                return f"layer {i} has a linear that is not quantized"
-            handle = linear.int8_layout[2]
-            if handle is None or not isinstance(packed_weight(handle), NativeInt8Weight):
-                return f"layer {i}'s linears do not run on the {NativeInt8Weight.name} GEMM"
     return None
 
 

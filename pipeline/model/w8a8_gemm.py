@@ -33,6 +33,7 @@ from kernels.packed_int8 import (
     uint8_activations,
 )
 from pipeline.model.cpu_kernels import NATIVE, PACKED, PLAIN, CpuFeatures, GemmRule, int8_gemm_rule
+from pipeline.model.native_decode import native_model_reason
 from pipeline.model.quant import QuantLinear, QuantLMHead
 from pipeline.stopwatch import alternating_best, best_seconds
 
@@ -43,8 +44,8 @@ TIMED_LAYERS = 4
 ROUNDS = 3  # alternating rounds; each GEMM's figure is the median of its rounds' best
 REPS = 2
 PACKERS = {PACKED: pack_int8_weight, NATIVE: pack_native_int8_weight}
-# The layers take the native GEMM where it times within this of the fastest: only on it do the decoder layers
-# run in one native call (`pipeline.model.native_decode`), which saves more of a step than this (a 1B-shaped
+# The layers take the native GEMM where it times within this of the fastest, where the model could run its
+# decoder layers natively (`native_model_reason`): only on it do they run in one native call (`pipeline.model.native_decode`), which saves more of a step than this (a 1B-shaped
 # model's 64-row step: 111 ms native against 122.5 ms compiled on oneDNN), and timings this close flipped
 # between starts on a 2-core machine.
 NATIVE_LAYERS_MARGIN = 0.1
@@ -93,7 +94,8 @@ def choose_int8_gemm(model: nn.Module, known: dict[str, str] | None = None) -> d
             elif len(rule.gemms) == 1:
                 chosen[part] = _named_by_rule(modules, rule)
             else:
-                chosen[part] = _fastest(_timed(model, part, modules), modules, rule, native_layers=part == "layers")
+                native_layers = part == "layers" and native_model_reason(model) is None
+                chosen[part] = _fastest(_timed(model, part, modules), modules, rule, native_layers)
     return chosen
 
 
@@ -125,8 +127,9 @@ def _named_by_rule(modules: list[nn.Module], rule: GemmRule) -> str:
 
 
 def _fastest(timed: list[nn.Module], modules: list[nn.Module], rule: GemmRule, native_layers: bool = False) -> str:
-    """Time the rule's GEMMs that pass the screening on `timed` (of `modules`), keep the fastest (for the
-    layers, `native_layers`, the native GEMM within NATIVE_LAYERS_MARGIN of it) and pack `modules` for it; its
+    """Time the rule's GEMMs that pass the screening on `timed` (of `modules`), keep the fastest (with
+    `native_layers`, the layers of a model that could run natively, the native GEMM within
+    NATIVE_LAYERS_MARGIN of it) and pack `modules` for it; its
     answer as `choose_int8_gemm`'s."""
     candidates, notes = {}, []
     for name in rule.gemms:

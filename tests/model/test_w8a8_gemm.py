@@ -180,12 +180,16 @@ def test_a_packed_gemm_the_features_name_falls_back_to_int_mm_where_its_products
             f"{PACKED}'s products differ from {PLAIN}'s exact sums on one weight's slice: not used" in text
 
 
-@pytest.mark.parametrize("native_ms,layers", [(1040.0, NATIVE), (1200.0, PACKED)])
+@pytest.mark.parametrize("native_ms,why_not,layers", [(1040.0, None, NATIVE), (1200.0, None, PACKED),
+                                                     (1040.0, "the layers have biases", PACKED)])
 def test_the_layers_take_the_native_gemm_within_the_margin_of_the_fastest(tiny_model_dir, monkeypatch, native_ms,
-                                                                          layers):
+                                                                          why_not, layers):
     """Within NATIVE_LAYERS_MARGIN of the fastest, the layers run the native GEMM (so the decoder layers can
-    run natively); the head, which has no such layers, keeps the fastest."""
+    run natively), unless the model could not run them natively anyway; the head, which has no such
+    layers, keeps the fastest."""
     stand_in_for_amx(monkeypatch, True)
+    if why_not:
+        monkeypatch.setattr(w8a8_gemm, "native_model_reason", lambda model: why_not)
     monkeypatch.setattr(w8a8_gemm, "best_seconds", lambda fn, reps: 1.0)  # the screening calls tie
     monkeypatch.setattr(w8a8_gemm, "alternating_best", lambda fns, rounds, reps: [2.0, 1.0, native_ms / 1000])
     chosen = _load(tiny_model_dir).model.kernel_choice.int8_gemm
