@@ -40,7 +40,12 @@ def run_job(out: Path, env: dict[str, str], args: list[str]) -> dict:
 
 
 def line(label: str, m: dict) -> str:
-    return (f"{label:<28} command {m['command_s']:6.1f} s | model load {m['model_load_s']:5.1f} s | generate "
+    """One run's figures; `first token` is the model load plus the engine's wait for its first sampled token;
+    `compile` is torch.compile's time inside the generation (graphs compiled at the steps that first need
+    them, which the model load does not count)."""
+    first = m["model_load_s"] + (m["engine"]["first_token_s"] or 0.0)
+    return (f"{label:<28} command {m['command_s']:6.1f} s | model load {m['model_load_s']:5.1f} s | first token "
+            f"{first:5.1f} s | compile {m['engine']['compile_s']:5.1f} s | generate "
             f"{m['generate_time_s']:5.1f} s | {m['generated_tokens_per_s']:6.1f} gen tok/s | "
             f"quant {m['model']['quant']} (w8a8 from {m['model']['w8a8_rows']} rows), "
             f"kv {m['model']['kv_cache_dtype']}, compiled {m['model']['compiled_layers']}")

@@ -7,6 +7,7 @@ parameters, empty or too long prompts, unknown token ids) come back as `finish_r
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -139,6 +140,8 @@ class Engine:
         self._update_gauges()
         self._rng = torch.Generator().manual_seed(config.seed)
         self._clock = StepClock(self.device)
+        self._generate_start: float | None = None  # the first generate call's perf_counter (`first_token_s`)
+        self._compiled_before = compile_seconds()  # torch.compile's seconds before this engine's steps
         self._next_seq_id = 0
 
     def _kv_bytes(self, config: EngineConfig, block_bytes: int, max_pos: int) -> int:
@@ -192,6 +195,8 @@ class Engine:
     def generate(self, requests: Iterable[Request], on_step: Callable[[], None] | None = None) -> Iterator[Result]:
         """Yield one Result per sample of each request, in completion order. `on_step` is called after each
         step, once its results were taken: progress that must move before the first row finishes."""
+        if self._generate_start is None:
+            self._generate_start = time.perf_counter()
         source = iter(requests)
         exhausted = False
         window = self.waiting_window
@@ -208,6 +213,7 @@ class Engine:
                         return
                     continue
                 yield from self.step()
+                self.stats.compile_s = compile_seconds() - self._compiled_before
                 if on_step is not None:
                     on_step()
         finally:  # the caller stopped early (or a step failed): drop unfinished work, free its blocks
@@ -595,6 +601,8 @@ class Engine:
         guessed = len(seq.draft)
         finished = False
         use = self.stats.adapters[seq.adapter] if seq.adapter is not None else {}
+        if self.stats.first_token_s is None and self._generate_start is not None:
+            self.stats.first_token_s = time.perf_counter() - self._generate_start
         for token, logprobs in zip(outcome.token_ids, outcome.logprobs):
             self.stats.decode_tokens += 1
             if use:
@@ -713,6 +721,14 @@ def _adjusts_logits(seq: Sequence) -> bool:
     sequences do not speculate."""
     sp = seq.sampling
     return seq.matcher is not None or bool(sp.logit_bias) or sp.min_tokens > 0 or sp.penalized
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (tracing and code generation: its
+    `entire_frame_compile`), which a step that compiles a graph waits for; 0 before anything compiled."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0.0
+    return float(sys.modules["torch._dynamo.utils"].calculate_time_spent().get("entire_frame_compile", 0.0))
 
 
 def compile_layers_wanted(setting: str, model: LlamaModel, device: torch.device) -> bool:

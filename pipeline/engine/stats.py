@@ -35,6 +35,10 @@ class EngineStats:
     sampling_time: float = 0.0
     schedule_time: float = 0.0  # scheduling, batch building and result bookkeeping
     total_time: float = 0.0
+    # wall seconds from the first generate call to the first token sampled: the first steps' torch.compile
+    # included, which a job's model load does not count (None before any token)
+    first_token_s: float | None = None
+    compile_s: float = 0.0  # torch.compile's tracing and code generation during the steps (`compile_seconds`)
     # Speculative decoding: steps in which some sequence checked guesses; guesses made and accepted; checks
     # (one per sequence and step that had guesses). Each accepted guess is a forward pass that sequence saved.
     spec_steps: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -340,3 +341,19 @@ def test_compiled_layers_match_eager_and_auto_keeps_float_eager():
     assert_only_near_ties(reference, {i: results[i, 0].token_ids for i in range(len(prompts))}, NEAR_TIE)
     with pytest.raises(ValueError, match="engine.compile"):
         EngineConfig(compile="yes")
+
+
+def test_first_token_time_is_the_wait_from_generate_to_the_first_sample(tiny):
+    """`first_token_s` is unset before generating, then lies within the generate call's span, and a later
+    call does not move it (the first token of the run, compile included)."""
+    engine = Engine(tiny, EngineConfig(kv_cache_memory="8MiB"))
+    assert engine.stats.first_token_s is None
+    sp = SamplingParams(max_tokens=3)
+    start = time.perf_counter()
+    list(engine.generate([Request(0, [5, 6, 7], sp)]))
+    span = time.perf_counter() - start
+    first = engine.stats.first_token_s
+    assert first is not None and 0 < first <= span
+    list(engine.generate([Request(1, [5, 6], sp)]))
+    assert engine.stats.first_token_s == first
+    assert engine.stats.compile_s == 0.0  # the float32 model runs eager: nothing compiled in its steps
