@@ -305,7 +305,7 @@ class QuantLinear(ParallelLinear):
             raise RuntimeError("attach_w8a8 needs the loaded weights in their original layout")
         bound = w8a8_weight_bound(self.qweight.device)
         if seen is not None:
-            weight = self.dequantize()
+            weight = self.dequantize() if seen.weight is None else seen.weight
             smooth = smoothing_factors(seen.absmax.to(weight.device), weight)
             if seen.gram is None:
                 self.w8a8_weight, self.w8a8_scales = quantize_int8(weight * smooth, bound=bound)
@@ -514,7 +514,7 @@ def attach_w8a8(model: nn.Module, scheme: str, w8a8_rows: int | None, lm_head: s
             # GPTQ where the CPU's int8 GEMM holds weights to 7 bits: on SmolLM2 it took W8A8 from +2.95% to
             # +1.35% perplexity there; at 8 bits it read +1.34-1.97% against nearest's +1.48%, no gain.
             final = calibrate(model, calibration, linears, lambda m, seen: m.attach_w8a8(choice, seen),
-                              grams=choice.weight_bound < FULL_RANGE)
+                              grams=choice.weight_bound < FULL_RANGE, weights=QuantLinear.dequantize)
         else:
             for m in linears:
                 m.attach_w8a8(choice)

@@ -50,12 +50,34 @@ def tiny_float(tiny_model_dir):
 
 def _measured_independently(tiny_model_dir, **load):
     """(model, what entered each linear with its Gram matrix, final hidden maxima): a model loaded without
-    W8A8 calls and the calibration text run through it."""
+    W8A8 calls and the calibration text run through it, its products as the load's pass takes them (on the
+    dequantized weights, in `product_dtype`: checked against float32 products below)."""
     loaded = load_model(tiny_model_dir, **load)
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     inputs = {}
-    final = calibrate(loaded.model, calibration_ids(loaded.tokenizer), linears, inputs.__setitem__, grams=True)
+    final = calibrate(loaded.model, calibration_ids(loaded.tokenizer), linears, inputs.__setitem__, grams=True,
+                      weights=QuantLinear.dequantize)
     return loaded.model, inputs, final
+
+
+def test_calibration_pass_products_keep_the_float32_passs_ranges(tiny_model_dir):
+    """The load's pass (products on each weight dequantized once, bfloat16 where the CPU has it) sees the
+    ranges the model's own float32 forward does: the first linear's input exactly (nothing multiplied before
+    it), every other within 2% of the largest range, and the final maxima likewise; each visit gets the
+    weight its product used."""
+    loaded = load_model(tiny_model_dir, quant="int4")
+    model, ids = loaded.model, calibration_ids(loaded.tokenizer)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    exact, fast = {}, {}
+    exact_final = calibrate(model, ids, linears, exact.__setitem__)
+    fast_final = calibrate(model, ids, linears, fast.__setitem__, weights=QuantLinear.dequantize)
+    first = model.layers[0].self_attn.qkv_proj
+    x = model.layers[0].input_layernorm(model.embed_tokens(torch.tensor(ids)))
+    assert torch.equal(fast[first].absmax, x.abs().amax(0)) and torch.equal(exact[first].absmax, fast[first].absmax)
+    for m in linears:
+        assert exact[m].weight is None and torch.equal(fast[m].weight, m.dequantize())
+        torch.testing.assert_close(fast[m].absmax, exact[m].absmax, rtol=0, atol=0.02 * exact[m].absmax.max().item())
+    torch.testing.assert_close(fast_final, exact_final, rtol=0, atol=0.02 * exact_final.max().item())
 
 
 def _expected_roundings(tiny_model_dir, module_path: str, bound: int, **load):
