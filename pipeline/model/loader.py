@@ -160,10 +160,9 @@ def load_model(
     cache_key = None
     w8a8 = quant == "w8a8" or (quant != "none" and w8a8_rows is not None)
     if startup_cache is not None and w8a8 and tp.size == 1 and torch.device(device).type == "cpu":
-        cache_key = startup_cache.key("model", file=startup_cache.file_hash(ckpt.path), dtype=str(dtype),
-                                      quant=quant, group=quant_group_size, w8a8_rows=w8a8_rows,
-                                      lm_head=quant_lm_head, prefer_speed=prefer_speed)
-        model = startup_cache.fetch(cache_key, build, *MODULE_ENTRY)
+        parts = {"dtype": str(dtype), "quant": quant, "group": quant_group_size, "w8a8_rows": w8a8_rows,
+                 "lm_head": quant_lm_head, "prefer_speed": prefer_speed}
+        model, cache_key = startup_cache.fetch_for_file(ckpt.path, "model", parts, build, *MODULE_ENTRY)
     else:
         model = build()
     if model.kernel_choice is not None and model.kernel_choice.w8a8_rows is not None \

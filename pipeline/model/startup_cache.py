@@ -15,7 +15,9 @@ truncated or damaged entry is rebuilt, never trusted. The hash is xxh3-128 (the 
 cryptographic one: it guards against damage, not tampering (the folder must be trusted anyway, below), and
 it checks a 1B model's 2.7 GB entry ~5x faster than sha256 did (1.7 s against 8.4 s on a busy 2-core
 machine), most of a warm start's check. Jobs sharing a cache folder (Slurm tasks on one node) build an entry
-once: the first takes the entry's file lock and builds, the others wait and read.
+once: the first takes the entry's file lock and builds, the others wait and read. A model file whose hash is
+not remembered yet is hashed in a thread while the model is built (`fetch_for_file`), so its first start
+reads it from the disk once, not once to hash it and again to load it.
 
 The folder is kept under a size budget (`model.startup_cache_max_size`): after an entry is written, the
 entries used longest ago (read or written: their seal's modification time) are deleted until the rest fit,
@@ -31,10 +33,10 @@ import contextlib
 import hashlib
 import json
 import logging
-import mmap
 import os
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -103,11 +105,33 @@ class StartupCache:
     def file_hash(self, path: str | Path) -> str:
         """The content hash of a model file (or of a directory's files, in name order), remembered in the cache by
         path, size and modification time so each version of a large file is read once."""
-        path = Path(path).resolve()
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-        memo = _name("hash", stamp=stamp)  # the content's hash depends on the content alone
+        memo, files = _hash_memo(path)
         return self.fetch(memo, lambda: _content_hash(files), *JSON_ENTRY)
+
+    def fetch_for_file(self, path: str | Path, kind: str, parts: dict[str, Any], build: Callable[[], T],
+                       dump: Callable[[T, BinaryIO], None], load: Callable[[Path], T]) -> tuple[T, str]:
+        """`fetch` of the entry keyed by `kind`, `parts` and the content hash of the model file at `path`, and
+        that key. Where the file's hash is not remembered yet (its first start, or the file changed), the
+        file is hashed in a thread while `build` runs, then the value is stored under the key the hash
+        gives, unless an entry is there already (the same bytes at another path or time): a cold disk's
+        read of a 4 GB file (~9 s) overlaps the load, which then finds the pages cached. Jobs sharing the
+        folder that start on such a file at once each build it (the key that would lock it is not known
+        before the hash)."""
+        memo, _ = _hash_memo(path)
+        try:
+            known = self._read(memo, _load_json, lambda value: False)
+        except (OSError, DamagedEntry, StaleEntry):
+            known = None
+        if known is not None:
+            key = self.key(kind, file=known, **parts)
+            return self.fetch(key, build, dump, load), key
+        with ThreadPoolExecutor(1, thread_name_prefix="startup-cache-hash") as pool:
+            hashed = pool.submit(self.file_hash, path)
+            self.built += 1
+            value = build()
+            key = self.key(kind, file=hashed.result(), **parts)
+        self._store(key, value, dump)
+        return value, key
 
     def fetch(self, name: str, build: Callable[[], T], dump: Callable[[T, BinaryIO], None],
               load: Callable[[Path], T], stale: Callable[[T], bool] = lambda value: False) -> T:
@@ -161,6 +185,18 @@ class StartupCache:
             return {"value": value, "busy": cpus_busy()}
 
         return self.fetch(name, timed, *JSON_ENTRY, stale=lambda entry: free and entry["busy"])["value"]
+
+    def _store(self, name: str, value: T, dump: Callable[[T, BinaryIO], None]) -> None:
+        """Write entry `name` under its lock unless a seal is there (an entry another job or an earlier start
+        wrote: a read judges it); a folder that cannot be written is logged and skipped."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self.root / f"{name}.lock")):
+                if not (self.root / f"{name}.seal").exists():
+                    self._write(name, value, dump)
+        except OSError as e:
+            log.warning("cannot write startup cache entry %s (%s): the next start recomputes it",
+                        self.root / name, e)
 
     def _read(self, name: str, load: Callable[[Path], T], stale: Callable[[T], bool]) -> T:
         """The entry's value; OSError where it was never written, DamagedEntry where it does not check out,
@@ -229,16 +265,25 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         raise
 
 
+def _hash_memo(path: str | Path) -> tuple[str, list[Path]]:
+    """The name of the entry remembering the content hash of the file (or directory) at `path`, by each
+    file's path, size and modification time, and those files in name order."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return _name("hash", stamp=stamp), files  # the content's hash depends on the content alone
+
+
 def _content_hash(files: list[Path]) -> str:
-    """xxh3-128 of the files' bytes in order, read through mmap (no copy of a multi-GB file through Python)."""
+    """xxh3-128 of the files' bytes in order, read into one reused buffer: a read waits for the disk with
+    the GIL released (a page fault of a mapped file holds it), so a hash in a thread leaves the load free."""
     digest = xxhash.xxh3_128()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
     for path in files:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                continue
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-                for start in range(0, len(view), _CHUNK):
-                    digest.update(view[start : start + _CHUNK])
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                digest.update(view[:n])
     return digest.hexdigest()
 
 

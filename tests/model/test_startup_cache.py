@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from pipeline.model import loader, quant, startup_cache, w8a8_gemm
 from pipeline.model.loader import load_model
@@ -145,6 +146,33 @@ def test_a_model_read_from_the_cache_is_the_model_a_load_builds(tmp_path, tiny_m
     monkeypatch.setattr(loader, "load_quantized", lambda *a, **k: calls.append(1) or original(*a, **k))
     third = load_model(tiny_model_dir, **options)
     assert calls == [1] and torch.equal(_hidden_states(third.model), expected)
+
+
+def test_a_first_load_hashes_the_file_beside_the_build_and_keys_the_entry_by_its_bytes(tmp_path, tiny_model_dir,
+                                                                                     monkeypatch):
+    """With the file's hash not remembered, the load builds while the file is hashed and stores the entry
+    under the key of the files' bytes (xxh3-128 of them in name order, computed here); with the hash
+    forgotten again (a touched file), it builds once more, keys alike and leaves the stored entry as it is."""
+    monkeypatch.setattr(startup_cache, "cpus_busy", lambda: False)
+    cache = StartupCache(tmp_path)
+    options = {"quant": "int4", "w8a8_rows": 4, "prefer_speed": True, "startup_cache": cache}
+    first = load_model(tiny_model_dir, **options)
+    digest = xxhash.xxh3_128()
+    for path in sorted(p for p in Path(tiny_model_dir).resolve().rglob("*") if p.is_file()):
+        digest.update(path.read_bytes())
+    assert first.cache_key == cache.key("model", file=digest.hexdigest(), dtype="torch.float32", quant="int4",
+                                        group=32, w8a8_rows=4, lm_head="int8", prefer_speed=True)
+    entry = tmp_path / first.cache_key
+    written = entry.stat().st_mtime_ns, entry.stat().st_ino
+    for memo in tmp_path.glob("hash-*"):
+        memo.unlink()
+    calls = []
+    original = quant.load_quantized
+    monkeypatch.setattr(loader, "load_quantized", lambda *a, **k: calls.append(1) or original(*a, **k))
+    again = load_model(tiny_model_dir, **options)
+    assert calls == [1] and again.cache_key == first.cache_key
+    assert (entry.stat().st_mtime_ns, entry.stat().st_ino) == written
+    assert torch.equal(_hidden_states(again.model), _hidden_states(first.model))
 
 
 def test_no_entry_for_a_load_with_nothing_slow_to_keep(tmp_path, tiny_model_dir):
