@@ -302,7 +302,10 @@ def _dump_module(module: torch.nn.Module, f: BinaryIO) -> None:
     # without the zip records' CRC-32: the seal's hash already checks every byte, and the CRC pass took a
     # third to a half of writing a 1B model's entry (1 GB: 1.1-1.4 s against 1.8-3.4 s)
     with serialization_config.patch({"save.compute_crc32": False}):
-        torch.save(module, f)
+        try:
+            torch.save(module, f)
+        except RuntimeError as e:  # its writer's failures (a full disk: "unexpected pos ...") are not OSErrors
+            raise OSError(f"torch.save failed: {e}") from e
 
 
 def _load_module(path: Path) -> torch.nn.Module:
