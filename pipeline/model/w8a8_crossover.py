@@ -6,13 +6,15 @@ On a Zen 5 the roofline put SmolLM2's crossing at 6 rows, while a batch-1 job de
 packed Q4_1 kernels and 82-93 in W8A8. So where auto loaded both layouts, it times both on the loaded model
 and switches where they cross.
 
-What is timed: one decoder layer's four products (qkv, o, gate_up, down) and the LM head, as each kind of
-step runs them (weight-only steps: the packed bf16 kernels and the float LM head; W8A8 steps: the int8
-GEMM each layout runs on, `pipeline.model.w8a8_gemm`, and the W8A8 head), at 1, 2, 4 ... rows. Where the
-linears also have the native W4A8 layout (`kernels.cpu_w4a8`), weight-only steps are timed on it too, and
-it runs the weight-only steps below the first size at which it is not the faster of the two; that
-weight-only step is then the one compared with W8A8. A step costs about num_layers x the layer plus
-the head. The elementwise work around the products (activation quantization, casts) is left out: compiled
+What is timed: the first TIMED_LAYERS decoder layers' products (qkv, o, gate_up, down), and the LM head
+apart, as each kind of step runs them (weight-only steps: the packed bf16 kernels and the float LM head;
+W8A8 steps: the int8 GEMM each layout runs on, `pipeline.model.w8a8_gemm`, and the W8A8 head), at 1, 2,
+4 ... rows. Where the linears also have the native W4A8 layout (`kernels.cpu_w4a8`), weight-only steps are
+timed on it too, and it runs the weight-only steps below the first size at which it is not the faster of
+the two; that weight-only step is then the one compared with W8A8. A step costs about num_layers /
+TIMED_LAYERS x the timed layers plus the head: distinct layers, so their weights stream from memory as in a
+step, not one layer's from cache num_layers times (which also took num_layers / TIMED_LAYERS times as long:
+the 1B shape's timing ~12 s of a busy first start). The elementwise work around the products (activation quantization, casts) is left out: compiled
 layers fuse it into the loops both kinds of step have anyway.
 """
 
@@ -32,6 +34,7 @@ from pipeline.stopwatch import alternating_best
 # Row counts timed: 1, 2, 4 ... up to this. Larger batches are compute-bound, where the roofline's peaks
 # decide reliably (SmolLM2 on 2 cores: ~1.5 s for sizes up to 32, 5-6 s up to 64 with 5 rounds of 3).
 MAX_TIMED_ROWS = 32
+TIMED_LAYERS = 4  # distinct decoder layers timed; their figure is scaled to the model's num_layers
 ROUNDS = 3  # alternating rounds per row count; each kernel's figure is the median of its rounds' best
 REPS = 2
 # Weight-only steps run only where they are this much faster than W8A8: each kind of step needs compiled
@@ -155,24 +158,29 @@ def settled(step_seconds: dict[int, tuple[float, float]]) -> bool:
 def measure_crossover(model: torch.nn.Module, max_rows: int) -> Crossover:
     """Time both kinds of step's products on `model` (quantized with both layouts, W8A8 attached) at 1, 2,
     4 ... `max_rows` rows, alternating, until `settled`, and return where W8A8 starts to win."""
-    layer = model.layers[0]
-    linears = [m for m in layer.modules() if isinstance(m, QuantLinear)]
-    head = model.lm_head
-    if not linears or any(m.w8a8_scales is None for m in linears) or not isinstance(head, QuantLMHead):
+    layers = model.layers[:TIMED_LAYERS]
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, QuantLinear)]
+    if not linears or any(m.w8a8_scales is None for m in linears) or not isinstance(model.lm_head, QuantLMHead):
         raise ValueError("measure_crossover needs a weight-only quantized model with its W8A8 layouts attached")
     sizes = [1 << i for i in range(max(1, max_rows).bit_length()) if 1 << i <= max_rows]
     native = all(m.w4a8_packed is not None for m in linears)
+    scale = model.config.num_layers / len(layers)
     seconds: dict[int, tuple[float, float]] = {}
     w4a8: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
         for rows in sizes:
-            steps = (_weight_only_step(model, linears, rows, False), _w8a8_step(model, linears, rows))
+            compact = model.kernel_choice.head_uses_compact(rows)
+            calls = [_weight_only_layers(linears, rows, False), _w8a8_layers(linears, rows),
+                     _head_call(model, rows, True)]
             if native:
-                steps += (_weight_only_step(model, linears, rows, True),)
-            timed = alternating_best(steps, ROUNDS, REPS)
-            seconds[rows] = (timed[0], timed[1])
+                calls.append(_weight_only_layers(linears, rows, True))
+            if not compact:
+                calls.append(_head_call(model, rows, False))
+            timed = alternating_best(calls, ROUNDS, REPS)
+            weight_only_head = timed[2] if compact else timed[-1]
+            seconds[rows] = (timed[0] * scale + weight_only_head, timed[1] * scale + timed[2])
             if native:
-                w4a8[rows] = (timed[0], timed[2])
+                w4a8[rows] = (seconds[rows][0], timed[3] * scale + weight_only_head)
             if settled(_on_kernels(seconds, w4a8)):
                 break
     below = w4a8_limit(w4a8)
@@ -190,40 +198,33 @@ def _on_kernels(seconds: dict[int, tuple[float, float]],
     return {r: (w4a8[r][1] if r < below else wo, w8) for r, (wo, w8) in seconds.items()}
 
 
-def _weight_only_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int,
-                      w4a8: bool) -> Callable[[], None]:
-    """One weight-only step's products at `rows` rows: the layer's (on the native W4A8 GEMM with `w4a8`),
-    num_layers times, and the LM head as weight-only steps run it (its compact copy where auto keeps one)."""
+def _weight_only_layers(linears: list[QuantLinear], rows: int, w4a8: bool) -> Callable[[], None]:
+    """The timed layers' products at `rows` rows as weight-only steps run them (on the native W4A8 GEMM
+    with `w4a8`)."""
     inputs = [torch.randn(rows, m.in_features) for m in linears]
     packed = [m.cpu_packed for m in linears]  # built once: the property makes a new one per read
-    head = _head_call(model, rows, model.kernel_choice.head_uses_compact(rows))
 
     def run() -> None:
-        for _ in range(model.config.num_layers):
-            for m, p, x in zip(linears, packed, inputs):
-                if w4a8:
-                    w4a8_matmul(x, m.w4a8_packed, m.out_features)
-                elif p is not None:
-                    packed_matmul(x, p)
-                else:
-                    wq_matmul(x, m.qweight, m.scales, m.mins, m.bits)
-        head()
+        for m, p, x in zip(linears, packed, inputs):
+            if w4a8:
+                w4a8_matmul(x, m.w4a8_packed, m.out_features)
+            elif p is not None:
+                packed_matmul(x, p)
+            else:
+                wq_matmul(x, m.qweight, m.scales, m.mins, m.bits)
 
     return run
 
 
-def _w8a8_step(model: torch.nn.Module, linears: list[QuantLinear], rows: int) -> Callable[[], None]:
-    """One W8A8 step's products at `rows` rows: int8 x int8 for the layer, num_layers times (the GEMM each
-    weight runs on: `pipeline.model.w8a8_gemm`), and the head."""
-    inputs = [quantize_for_gemm(torch.randn(rows, m.in_features), m.int8_layout[2])[0] for m in linears]
-    layouts = [m.int8_layout for m in linears]
-    head = _head_call(model, rows, True)
+def _w8a8_layers(linears: list[QuantLinear], rows: int) -> Callable[[], None]:
+    """The timed layers' products at `rows` rows as W8A8 steps run them: int8 x int8 on the GEMM each
+    weight runs on (`pipeline.model.w8a8_gemm`)."""
+    calls = [(quantize_for_gemm(torch.randn(rows, m.in_features), m.int8_layout[2])[0], m.int8_layout)
+             for m in linears]
 
     def run() -> None:
-        for _ in range(model.config.num_layers):
-            for q, layout in zip(inputs, layouts):
-                int8_outputs(q, *layout)
-        head()
+        for q, layout in calls:
+            int8_outputs(q, *layout)
 
     return run
 

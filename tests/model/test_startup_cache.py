@@ -132,6 +132,20 @@ def test_the_file_hash_is_the_contents_and_follows_a_changed_file(tmp_path):
     assert cache.file_hash(a) != first
 
 
+@pytest.mark.parametrize("entry", ["module", "json"])
+def test_the_seal_hashed_while_writing_is_that_of_the_bytes_on_disk(tmp_path, entry):
+    """The seal comes from the bytes as they were written, not from reading the file back: it must be
+    the size and xxh3-128 of the file as it lies on disk, or every read would find the entry damaged."""
+    cache = StartupCache(tmp_path)
+    value, kind = ((torch.nn.Linear(300, 200), startup_cache.MODULE_ENTRY) if entry == "module"
+                   else ({"a": list(range(1000))}, JSON_ENTRY))
+    name = cache.key(entry)
+    cache.fetch(name, lambda: value, *kind)
+    payload = (tmp_path / name).read_bytes()
+    assert (tmp_path / f"{name}.seal").read_text().split() == [str(len(payload)),
+                                                               xxhash.xxh3_128(payload).hexdigest()]
+
+
 def _hidden_states(model: torch.nn.Module) -> torch.Tensor:
     from pipeline.model.attention import WholeSequence
 

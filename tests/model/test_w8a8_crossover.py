@@ -72,6 +72,18 @@ def test_measurement_times_both_kinds_until_settled_and_keeps_the_model(tiny_mod
     assert "weight-only vs W8A8" in crossover.describe()
 
 
+def test_a_step_is_estimated_from_the_distinct_layers_timed_scaled_to_the_model(tiny_model_dir, monkeypatch):
+    """Only the first TIMED_LAYERS layers' products are timed (each call once), the head apart: a step is
+    num_layers / TIMED_LAYERS x the layers plus the head."""
+    model = quantized(tiny_model_dir)
+    layers = model.config.num_layers
+    assert layers >= 2
+    monkeypatch.setattr(w8a8_crossover, "TIMED_LAYERS", 1)
+    monkeypatch.setattr(w8a8_crossover, "alternating_best", lambda calls, rounds, reps: [1.0] * len(calls))
+    crossover = measure_crossover(model, 1)
+    assert crossover.step_seconds == {1: (layers * 1.0 + 1.0, layers * 1.0 + 1.0)}
+
+
 def test_apply_measured_crossover_keeps_a_roofline_crossing_beyond_the_sizes_timed(tiny_model_dir, monkeypatch):
     model = quantized(tiny_model_dir)
     roofline = QuantChoice("int4", 48, "int8", "roofline figures")
