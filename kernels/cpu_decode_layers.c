@@ -97,19 +97,37 @@ static inline __attribute__((always_inline)) void project_rows(const float *x, i
 /* Lanes of a vector that starts `left` values before the end of a row (none at or past it). */
 static inline __mmask16 lanes_left(int64_t left) { return left <= 0 ? 0 : lanes(left); }
 
-/* out [g, n] = y [g, n] + t [g, rank] B^T [rank, n] (out may be y): 32 columns of every row at a time, each
- * B^T vector times a broadcast rank value of every row. g as in project_rows. */
-static inline __attribute__((always_inline)) void expand_rows(const float *t, int64_t t_stride, const float *b,
-                                                              int64_t rank, int64_t n, const float *y, float *out,
-                                                              const int g)
+/* The ranks [*lo, *hi) of B^T that columns c .. c + 31 need: those of their two bands (a band [2] for each 16
+ * columns, as struct linear's lora_band; NULL: all `rank`). */
+static inline void rank_range(const int32_t *band, int64_t c, int64_t cols, int64_t rank, int64_t *lo, int64_t *hi)
 {
-    for (int64_t c = 0; c < n; c += 32) {
-        const __mmask16 m0 = lanes_left(n - c), m1 = lanes_left(n - c - 16);
+    if (!band) {
+        *lo = 0, *hi = rank;
+        return;
+    }
+    const int32_t *b0 = band + c / 16 * 2, *b1 = c + 16 < cols ? b0 + 2 : b0;
+    *lo = b0[0] < b1[0] ? b0[0] : b1[0];
+    *hi = b0[1] > b1[1] ? b0[1] : b1[1];
+}
+
+/* out [g, cols] = y [g, cols] + t [g, rank] B^T [rank, cols] (out may be y; rows of y, out and B^T ld_y, ld_out
+ * and ld_b apart): 32 columns of every row at a time, each B^T vector times a broadcast rank value of every
+ * row, over the ranks the columns' bands need (the others' B^T is zero: skipped, the sums are the same). g as
+ * in project_rows. */
+static inline __attribute__((always_inline)) void expand_rows(const float *t, int64_t t_stride, const float *b,
+                                                              int64_t ld_b, const int32_t *band, int64_t rank,
+                                                              int64_t cols, const float *y, int64_t ld_y, float *out,
+                                                              int64_t ld_out, const int g)
+{
+    for (int64_t c = 0; c < cols; c += 32) {
+        const __mmask16 m0 = lanes_left(cols - c), m1 = lanes_left(cols - c - 16);
         __m512 lo[LORA_ROWS], hi[LORA_ROWS];
         for (int i = 0; i < g; i++)
-            lo[i] = load(y + i * n + c, m0), hi[i] = load(y + i * n + c + 16, m1);
-        for (int64_t j = 0; j < rank; j++) {
-            const __m512 b0 = load(b + j * n + c, m0), b1 = load(b + j * n + c + 16, m1);
+            lo[i] = load(y + i * ld_y + c, m0), hi[i] = load(y + i * ld_y + c + 16, m1);
+        int64_t first, end;
+        rank_range(band, c, cols, rank, &first, &end);
+        for (int64_t j = first; j < end; j++) {
+            const __m512 b0 = load(b + j * ld_b + c, m0), b1 = load(b + j * ld_b + c + 16, m1);
             for (int i = 0; i < g; i++) {
                 const __m512 tj = _mm512_set1_ps(t[i * t_stride + j]);
                 lo[i] = _mm512_fmadd_ps(tj, b0, lo[i]);
@@ -117,7 +135,7 @@ static inline __attribute__((always_inline)) void expand_rows(const float *t, in
             }
         }
         for (int i = 0; i < g; i++)
-            store(out + i * n + c, m0, lo[i]), store(out + i * n + c + 16, m1, hi[i]);
+            store(out + i * ld_out + c, m0, lo[i]), store(out + i * ld_out + c + 16, m1, hi[i]);
     }
 }
 
@@ -142,10 +160,10 @@ static void project_run(const float *x, int64_t k, const float *a, int64_t rank,
 #undef PROJECT
 }
 
-static void expand_run(const float *t, int64_t t_stride, const float *b, int64_t rank, int64_t n, const float *y,
-                       float *out, int64_t g)
+static void expand_run(const float *t, int64_t t_stride, const float *b, int64_t ld_b, const int32_t *band,
+                       int64_t rank, int64_t cols, const float *y, int64_t ld_y, float *out, int64_t ld_out, int64_t g)
 {
-#define EXPAND(G) expand_rows(t, t_stride, b, rank, n, y, out, G)
+#define EXPAND(G) expand_rows(t, t_stride, b, ld_b, band, rank, cols, y, ld_y, out, ld_out, G)
     BY_ROWS(EXPAND, g)
 #undef EXPAND
 }
@@ -166,14 +184,14 @@ void lora_delta(const float *x, const float *y, float *out, const int64_t *slots
                 continue;
             }
             project_run(x + r * k, k, a + slots[r] * k * rank, rank, NULL, t, rank, e - r);
-            expand_run(t, rank, b + slots[r] * rank * n, rank, n, y + r * n, out + r * n, e - r);
+            expand_run(t, rank, b + slots[r] * rank * n, n, NULL, rank, n, y + r * n, n, out + r * n, n, e - r);
         }
     }
 }
 
 /* The rows' projections x A^T / sx into s->lora_t, where they run an adapter on l: x [rows, k] is the linear's
- * float input before smoothing and quantization, sx the scales the quantization just set (the GEMM's products
- * are in units of them until the pass after it). */
+ * float input as the quantization took it, smoothed (A^T divided by the smoothing vector: struct linear), sx
+ * the scales the quantization just set (the GEMM's products are in units of them until the pass after it). */
 static void lora_project(const struct linear *l, const struct step *s, const float *x)
 {
     if (!l->lora_a || !s->lora_slots)
@@ -191,23 +209,48 @@ static void lora_project(const struct linear *l, const struct step *s, const flo
     }
 }
 
-/* The LoRA deltas of the rows that run an adapter on l added to the GEMM's products out [rows, n], from
- * their projections (lora_project). */
+/* The LoRA deltas on l of rows r0 .. end - 1 (at most LORA_ROWS), in columns c0 .. c0 + cols - 1 (c0 a
+ * multiple of 16), added to out [end - r0, cols] (rows ld apart) from their projections (lora_project). */
+static void add_deltas(const struct linear *l, const struct step *s, int64_t r0, int64_t end, int64_t c0,
+                       int64_t cols, float *out, int64_t ld)
+{
+    const int64_t n = l->n, rank = l->lora_rank;
+    const int32_t *band = l->lora_band ? l->lora_band + c0 / 16 * 2 : NULL;
+    for (int64_t r = r0, e; r < end; r = e) {
+        e = run_end(s->lora_slots, r, end);
+        if (s->lora_slots[r] >= 0) {
+            float *rows = out + (r - r0) * ld;
+            expand_run(s->lora_t + r * s->lora_width, s->lora_width, l->lora_b + s->lora_slots[r] * rank * n + c0, n,
+                       band, rank, cols, rows, ld, rows, ld, e - r);
+        }
+    }
+}
+
+/* The LoRA deltas of the rows that run an adapter on l added to the GEMM's products out [rows, n]. */
 static void lora_add(const struct linear *l, const struct step *s, float *out)
 {
     if (!l->lora_a || !s->lora_slots)
         return;
-    const int64_t n = l->n, rank = l->lora_rank;
+    const int64_t n = l->n;
 #pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
-    for (int64_t lo = 0; lo < s->rows; lo += LORA_ROWS) {
-        const int64_t end = lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows;
-        for (int64_t r = lo, e; r < end; r = e) {
-            e = run_end(s->lora_slots, r, end);
-            if (s->lora_slots[r] >= 0)
-                expand_run(s->lora_t + r * s->lora_width, s->lora_width, l->lora_b + s->lora_slots[r] * rank * n,
-                           rank, n, out + r * n, out + r * n, e - r);
-        }
-    }
+    for (int64_t lo = 0; lo < s->rows; lo += LORA_ROWS)
+        add_deltas(l, s, lo, lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows, 0, n, out + lo * n, n);
+}
+
+/* What lora_tile reads: the linear and the step. */
+struct lora_context {
+    const struct linear *l;
+    const struct step *s;
+};
+
+/* The fused gate_up + SiLU GEMM's tile hook (tile_hook_fn): the tile's LoRA deltas, added to its products
+ * before the SiLU as lora_add adds them to the stored ones, so that adapter rows keep the fused entry. */
+static void lora_tile(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile, int64_t ld)
+{
+    const struct lora_context *c = context;
+    for (int64_t lo = r0; lo < r0 + rows; lo += LORA_ROWS)
+        add_deltas(c->l, c->s, lo, lo + LORA_ROWS < r0 + rows ? lo + LORA_ROWS : r0 + rows, c0, cols,
+                   tile + (lo - r0) * ld, ld);
 }
 
 /* Whether any row of the step runs an adapter on l. */
@@ -234,6 +277,7 @@ static void quantize_input(const float *x, const struct linear *l, const struct 
         }
         s->sx[r] = quantize_row(y, k, s->u + r * k);
     }
+    lora_project(l, s, l->smooth ? s->tmp : x);
 }
 
 /* RMSNorm of each row of x (weight w), times the linear's smoothing vector, quantized. */
@@ -250,19 +294,16 @@ static void norm_quantize(const float *x, const float *w, const struct linear *l
             sq = _mm512_fmadd_ps(v, v, sq);
         }
         const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)k + s->eps));
-        const int adapter = lora_slot(l, s, r) >= 0; /* its projection needs the norm before smoothing */
         for (int64_t c = 0; c < k; c += 16) {
             __mmask16 m = lanes(k - c);
             __m512 y = _mm512_mul_ps(_mm512_mul_ps(load(xr + c, m), inv), load(w + c, m));
-            if (adapter)
-                store(s->lora_x + r * k + c, m, y);
             if (l->smooth)
                 y = _mm512_mul_ps(y, load(l->smooth + c, m));
             store(t + c, m, y);
         }
         s->sx[r] = quantize_row(t, k, s->u + r * k);
     }
-    lora_project(l, s, s->lora_x);
+    lora_project(l, s, s->tmp);
 }
 
 /* y = products [rows, n] x the row scales; x += y (the residual stream). */
@@ -326,27 +367,26 @@ static void silu_quantize(const struct linear *down, const struct step *s)
         const float *gate = s->gate_up + r * 2 * i, *up = gate + i;
         float *t = s->tmp + r * i;
         const __m512 sr = _mm512_set1_ps(s->sx[r]);
-        const int adapter = lora_slot(down, s, r) >= 0; /* its projection needs the activation before smoothing */
         for (int64_t c = 0; c < i; c += 16) {
             __mmask16 m = lanes(i - c);
             __m512 y = silu_times(_mm512_mul_ps(load(gate + c, m), sr), _mm512_mul_ps(load(up + c, m), sr));
-            if (adapter)
-                store(s->lora_x + r * i + c, m, y);
             if (down->smooth)
                 y = _mm512_mul_ps(y, load(down->smooth + c, m));
             store(t + c, m, y);
         }
         s->sx[r] = quantize_row(t, i, s->u + r * i);
     }
-    lora_project(down, s, s->lora_x);
+    lora_project(down, s, s->tmp);
 }
 
-/* Each row of y [rows, k] quantized into s->u and s->sx. */
-static void quantize_rows(const float *y, int64_t k, const struct step *s)
+/* Each row of the down projection's smoothed input in s->tmp quantized into s->u and s->sx. */
+static void quantize_activation(const struct linear *down, const struct step *s)
 {
+    const int64_t k = down->k;
 #pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
     for (int64_t r = 0; r < s->rows; r++)
-        s->sx[r] = quantize_row(y + r * k, k, s->u + r * k);
+        s->sx[r] = quantize_row(s->tmp + r * k, k, s->u + r * k);
+    lora_project(down, s, s->tmp);
 }
 
 static inline double now(void)
@@ -383,22 +423,21 @@ static int layer_passes(const struct layer *layers, int64_t count, const struct 
                   s->attn, s->rows, s->kv_heads, s->num_blocks, s->attention_scale);
         *attention_seconds += now() - t0;
         quantize_input(s->attn, &L->o, s);
-        lora_project(&L->o, s, s->attn);
         if (gemm(s, &L->o, s->proj))
             return -1;
         add_scaled(x, s->proj, s->hidden, s);
         norm_quantize(x, L->post_norm, &L->gate_up, s);
-        /* the activation from the GEMM's tiles (the products never stored), else from the stored products;
-         * always the latter where rows run adapters on the MLP (deltas before SiLU, the activation kept before
-         * smoothing) */
+        /* the activation from the GEMM's tiles (the products never stored, adapter rows' deltas added to the
+         * tiles), else from the stored products */
         const struct linear *gu = &L->gate_up;
-        const int fused = lora_rows(gu, s) || lora_rows(&L->down, s) ? -2 :
-            s->gemm_silu(s->u, gu->k, s->rows, gu->k, gu->panels, gu->correction, gu->scale, s->intermediate, s->sx,
-                         L->down.smooth, s->tmp);
+        const struct lora_context lora = {gu, s};
+        const int fused = s->gemm_silu(s->u, gu->k, s->rows, gu->k, gu->panels, gu->correction, gu->scale,
+                                       s->intermediate, s->sx, L->down.smooth, s->tmp,
+                                       lora_rows(gu, s) ? lora_tile : NULL, &lora);
         if (fused == -1 || (fused == -2 && gemm(s, gu, s->gate_up)))
             return -1;
         if (fused == 0)
-            quantize_rows(s->tmp, s->intermediate, s);
+            quantize_activation(&L->down, s);
         else
             silu_quantize(&L->down, s);
         if (gemm(s, &L->down, s->proj))
@@ -482,7 +521,7 @@ static struct step rows_of(const struct step *s, int64_t lo, int64_t hi)
     t.u += lo * widest, t.sx += lo, t.tmp += lo * widest, t.qkv += lo * n_qkv, t.q += lo * nq, t.attn += lo * nq;
     t.gate_up += lo * 2 * s->intermediate, t.proj += lo * s->hidden;
     if (t.lora_slots)
-        t.lora_slots += lo, t.lora_t += lo * s->lora_width, t.lora_x += lo * widest;
+        t.lora_slots += lo, t.lora_t += lo * s->lora_width;
     return t;
 }
 
@@ -570,6 +609,7 @@ static const struct {
 } LAYOUT[] = {
     SIZE(linear), FIELD(linear, panels), FIELD(linear, correction), FIELD(linear, scale), FIELD(linear, smooth),
     FIELD(linear, n), FIELD(linear, k), FIELD(linear, lora_a), FIELD(linear, lora_b), FIELD(linear, lora_rank),
+    FIELD(linear, lora_band),
     SIZE(layer), FIELD(layer, input_norm), FIELD(layer, post_norm), FIELD(layer, qkv), FIELD(layer, o),
     FIELD(layer, gate_up), FIELD(layer, down), FIELD(layer, k_pool), FIELD(layer, v_pool), FIELD(layer, k_scale),
     FIELD(layer, v_scale),
@@ -579,7 +619,7 @@ static const struct {
     FIELD(step, first), FIELD(step, table_stride), FIELD(step, num_blocks), FIELD(step, gemm),
     FIELD(step, gemm_silu), FIELD(step, write), FIELD(step, decode), FIELD(step, u), FIELD(step, sx),
     FIELD(step, tmp), FIELD(step, qkv), FIELD(step, q), FIELD(step, attn), FIELD(step, gate_up), FIELD(step, proj),
-    FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_x), FIELD(step, lora_width),
+    FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_width),
 };
 
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size)

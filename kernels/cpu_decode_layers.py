@@ -26,10 +26,13 @@ _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 class Linear(ctypes.Structure):
     """A W8A8 linear on the native GEMM: packed panels, zero-point correction, column scales, and the
     smoothing vector its input is multiplied by (None: none); its resident LoRA pairs stacked per slot,
-    A^T [slots, k, lora_rank] and B^T scaled [slots, lora_rank, n] (None: no slot's adapter targets it)."""
+    A^T [slots, k, lora_rank] divided by the smoothing vector along k and B^T scaled [slots, lora_rank, n]
+    (None: no slot's adapter targets it), and `lora_band` int32 [ceil(n / 16), 2] the ranks each 16 columns
+    of B^T need (None: all)."""
 
     _fields_ = [("panels", _pointer), ("correction", _pointer), ("scale", _pointer), ("smooth", _pointer),
-                ("n", _size), ("k", _size), ("lora_a", _pointer), ("lora_b", _pointer), ("lora_rank", _size)]
+                ("n", _size), ("k", _size), ("lora_a", _pointer), ("lora_b", _pointer), ("lora_rank", _size),
+                ("lora_band", _pointer)]
 
 
 class Layer(ctypes.Structure):
@@ -43,7 +46,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """What every layer of one step shares (`struct step` in kernels/cpu_kernels.h); `lora_slots` [rows]
     int64 each row's adapter slot (-1: base), None when no row has one, `lora_t` scratch of `lora_width`
-    floats a row, `lora_x` as wide as `tmp`."""
+    floats a row."""
 
     _fields_ = [("rows", _size), ("hidden", _size), ("heads", _size), ("kv_heads", _size), ("head_dim", _size),
                 ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
@@ -51,8 +54,7 @@ class Step(ctypes.Structure):
                 ("first", _pointer), ("table_stride", _size), ("num_blocks", _size), ("gemm", _pointer),
                 ("gemm_silu", _pointer), ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer),
                 ("tmp", _pointer), ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer),
-                ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_x", _pointer),
-                ("lora_width", _size)]
+                ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_width", _size)]
 
 
 def unavailable_reason() -> str | None:

@@ -459,18 +459,14 @@ int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const 
 
 #ifdef __AVX512VNNI__
 /* out[r][c] = silu(gate[r][c] * row_scale[r]) x up[r][c] * row_scale[r] (x smooth[c] unless NULL) for rows
- * r < rows of a tile and the panel's NR channels: up[r][c] the tile's products, scaled as `store` scales them;
- * gate the gate panel's products as `store` wrote them, NR apart. */
-static inline void silu_store(__m512i acc[MR][NV], int rows, const int32_t *correction, const float *scale,
-                              const float *gate, const float *row_scale, const float *smooth, float *out,
-                              int64_t ldo) {
+ * r < rows of a tile and the panel's NR channels: gate and up the products as `store` wrote them, NR apart. */
+static inline void silu_store(int rows, const float *gate, const float *up, const float *row_scale,
+                              const float *smooth, float *out, int64_t ldo) {
     for (int j = 0; j < NV; j++) {
-        __m512i corr = _mm512_loadu_si512(correction + 16 * j);
-        __m512 s = _mm512_loadu_ps(scale + 16 * j);
         for (int r = 0; r < rows; r++) {
             __m512 sr = _mm512_set1_ps(row_scale[r]);
-            __m512 up = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), s), sr);
-            __m512 y = silu_times(_mm512_mul_ps(_mm512_loadu_ps(gate + r * NR + 16 * j), sr), up);
+            __m512 y = silu_times(_mm512_mul_ps(_mm512_loadu_ps(gate + r * NR + 16 * j), sr),
+                                  _mm512_mul_ps(_mm512_loadu_ps(up + r * NR + 16 * j), sr));
             if (smooth)
                 y = _mm512_mul_ps(y, _mm512_loadu_ps(smooth + 16 * j));
             _mm512_storeu_ps(out + r * ldo + 16 * j, y);
@@ -484,12 +480,13 @@ static inline void silu_store(__m512i acc[MR][NV], int rows, const int32_t *corr
  * first and last `half` channels (one [gate; up] weight, n = 2 * half), in the same float32 operations as
  * scaling the stored products and applying silu_times. The [m, 2 * half] products are never written: each
  * thread takes pairs of panels (gate channels c .. c + NR - 1 and their up channels), the gate panel's tiles
- * into a buffer of its own, then the up panel's tiles combined with them. Returns 0; -2 where half is not a
- * multiple of the panel width (nothing done: use int8_gemm); -1 where a buffer could not be allocated (out
- * then incomplete). */
-int int8_gemm_silu(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
-                   const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
-                   const float *smooth, float *out) {
+ * into a buffer of its own, then each up tile into a small one and combined with them. `hook` (unless NULL)
+ * adds to each gate and up tile in those buffers first (a LoRA delta's columns: kernels/cpu_decode_layers.c),
+ * as it would to int8_gemm's stored products. Returns 0; -2 where half is not a multiple of the panel width
+ * (nothing done: use int8_gemm); -1 where a buffer could not be allocated (out then incomplete). */
+int int8_gemm_silu_hooked(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                          const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
+                          const float *smooth, float *out, tile_hook_fn *hook, const void *context) {
 #ifdef __AVX512VNNI__
     if (half % NR)
         return -2;
@@ -511,18 +508,25 @@ int int8_gemm_silu(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const in
             for (int64_t t = 0; t < a.tiles; t++) {
                 __m512i acc[PARTS][MR][NV];
                 int rows = product_tile(&a, m, packed, k4, q, 2 * pairs, t, acc);
-                for (int h = 0; h * MR < rows; h++)
-                    store(acc[h], part_rows(rows, h), NR, correction + q * NR, scale + q * NR,
-                          gate + (t * a.rows + h * MR) * NR, NR, 0);
+                for (int h = 0; h * MR < rows; h++) {
+                    int64_t r0 = t * a.rows + h * MR;
+                    store(acc[h], part_rows(rows, h), NR, correction + q * NR, scale + q * NR, gate + r0 * NR, NR, 0);
+                    if (hook)
+                        hook(context, r0, part_rows(rows, h), q * NR, NR, gate + r0 * NR, NR);
+                }
             }
             int64_t p = pairs + q;
             for (int64_t t = 0; t < a.tiles; t++) {
                 __m512i acc[PARTS][MR][NV];
+                float up[MR * NR];
                 int rows = product_tile(&a, m, packed, k4, p, 2 * pairs, t, acc);
                 for (int h = 0; h * MR < rows; h++) {
                     int64_t r0 = t * a.rows + h * MR;
-                    silu_store(acc[h], part_rows(rows, h), correction + p * NR, scale + p * NR, gate + r0 * NR,
-                               row_scale + r0, smooth ? smooth + q * NR : NULL, out + r0 * half + q * NR, half);
+                    store(acc[h], part_rows(rows, h), NR, correction + p * NR, scale + p * NR, up, NR, 0);
+                    if (hook)
+                        hook(context, r0, part_rows(rows, h), p * NR, NR, up, NR);
+                    silu_store(part_rows(rows, h), gate + r0 * NR, up, row_scale + r0, smooth ? smooth + q * NR : NULL,
+                               out + r0 * half + q * NR, half);
                 }
             }
         }
@@ -537,9 +541,16 @@ int int8_gemm_silu(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const in
     return failed ? -1 : 0;
 #else
     (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)half, (void)row_scale,
-        (void)smooth, (void)out;
+        (void)smooth, (void)out, (void)hook, (void)context;
     return -1;
 #endif
+}
+
+/* int8_gemm_silu_hooked without a hook. */
+int int8_gemm_silu(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                   const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
+                   const float *smooth, float *out) {
+    return int8_gemm_silu_hooked(u, lda, m, k, packed, correction, scale, half, row_scale, smooth, out, NULL, NULL);
 }
 
 /* Pack w int8 [n, k] (rows k apart) into panels (`packed`: ceil(n / NR) * ceil(k / 4) * NR * 4 bytes) and

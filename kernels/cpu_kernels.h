@@ -20,8 +20,18 @@ typedef int gemm_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const i
 typedef int gemm_silu_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
                          const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
                          const float *smooth, float *out);
+/* Adds to a tile of a GEMM's products before an epilogue reads them: rows r0 .. r0 + rows - 1 and columns
+ * c0 .. c0 + cols - 1 of the [m, n] products (scaled by the column scales, not yet by the row scales), the
+ * tile [rows, cols] ld apart. Called from the GEMM's threads at once, each on tiles of its own. */
+typedef void tile_hook_fn(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile,
+                          int64_t ld);
+/* int8_gemm_silu with `hook` (unless NULL) called on every gate and up tile before the SiLU. */
+typedef int gemm_silu_hooked_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                                const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
+                                const float *smooth, float *out, tile_hook_fn *hook, const void *context);
 gemm_fn int8_gemm;
 gemm_silu_fn int8_gemm_silu;
+gemm_silu_hooked_fn int8_gemm_silu_hooked;
 int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
                      const int32_t *correction, const float *scale, int64_t valid, const float *row_scale,
                      int64_t *index);
@@ -60,8 +70,12 @@ int paged_integer_scores(void);
 
 /* A W8A8 linear: the GEMM's packed weight, correction and column scales, and the smoothing vector its
  * input is multiplied by (NULL: none). y [rows, n] = x [rows, k] W^T. Its resident LoRA pairs, stacked per
- * adapter slot (NULL where no slot's adapter targets it): A^T [slots, k, lora_rank] and B^T scaled
- * [slots, lora_rank, n], zero past each slot's own rank; a row of adapter slot i adds x A^T[i] B^T[i]. */
+ * adapter slot (NULL where no slot's adapter targets it): A^T [slots, k, lora_rank] divided by the smoothing
+ * vector along k (projecting the smoothed input, x A^T = (x smooth)(A^T / smooth), which the GEMM's input
+ * pass leaves in hand) and B^T scaled [slots, lora_rank, n], zero past each slot's own rank; a row of adapter
+ * slot i adds x A^T[i] B^T[i]. lora_band [ceil(n / 16), 2]: for each 16 columns, the ranks [lo, hi) outside
+ * which every slot's B^T is zero there (a fused linear's B is block-diagonal: each part's columns take only
+ * its own ranks), NULL: all ranks. */
 struct linear {
     const int8_t *panels;
     const int32_t *correction;
@@ -70,6 +84,7 @@ struct linear {
     int64_t n, k;
     const float *lora_a, *lora_b;
     int64_t lora_rank;
+    const int32_t *lora_band;
 };
 
 struct layer {
@@ -88,16 +103,15 @@ struct step {
     const int64_t *slots, *tables, *lens, *first;
     int64_t table_stride, num_blocks;
     gemm_fn *gemm;
-    gemm_silu_fn *gemm_silu; /* the GEMM's fused gated-MLP entry (int8_gemm_silu) */
+    gemm_silu_hooked_fn *gemm_silu; /* the GEMM's fused gated-MLP entry (int8_gemm_silu_hooked) */
     write_fn *write;
     decode_fn *decode;
     uint8_t *u;
     float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
     /* each row's LoRA adapter slot (-1: the base model), NULL when no row has one; scratch for each row's
-     * rank-space projection (lora_t, lora_width floats a row: the widest lora_rank) and for a linear's float
-     * input before smoothing (lora_x, as wide as tmp) */
+     * rank-space projection (lora_t, lora_width floats a row: the widest lora_rank) */
     const int64_t *lora_slots;
-    float *lora_t, *lora_x;
+    float *lora_t;
     int64_t lora_width;
 };
 

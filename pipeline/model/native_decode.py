@@ -87,6 +87,27 @@ def native_decode_layers(model: nn.Module) -> NativeDecodeLayers | None:
     return None if native_decode_reason(model) else NativeDecodeLayers(model)
 
 
+def smoothed_a(a: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+    """A^T stacked [slots, k, R] divided by the linear's smoothing vector [k] (None: A^T itself): the native
+    layers project the input as they quantize it, smoothed (x A^T = (x smooth)(A^T / smooth)), so that no
+    pass keeps a copy from before smoothing, and the fused gate_up + SiLU GEMM's smoothed activation serves
+    the down projection's adapters."""
+    return a if smooth is None else (a / smooth[:, None]).contiguous()
+
+
+def rank_bands(b: torch.Tensor) -> torch.Tensor:
+    """int32 [ceil(out / 16), 2]: for each 16 columns of B^T stacked [slots, R, out], the ranks [lo, hi) outside
+    which every slot's B^T is zero there (empty: [0, 0]). A fused linear's B is block-diagonal (each part's
+    columns take only its ranks: `pipeline.model.lora.table.linear_pair`), so its deltas skip half or more
+    of the rank-space multiply-adds."""
+    used = (b != 0).any(0)  # [R, out]
+    used = torch.nn.functional.pad(used, (0, -used.shape[1] % 16)).view(used.shape[0], -1, 16).any(-1)  # [R, V]
+    ranks = torch.arange(used.shape[0])[:, None]
+    hi = torch.where(used, ranks + 1, 0).amax(0)
+    lo = torch.minimum(torch.where(used, ranks, used.shape[0]).amin(0), hi)
+    return torch.stack([lo, hi], 1).to(torch.int32).contiguous()
+
+
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
@@ -122,10 +143,11 @@ class NativeDecodeLayers:
                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size)
         self.eps = model.layers[0].input_layernorm.eps
         self.gemm = function_address(vnni_gemm.library().int8_gemm)
-        self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu)
+        self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu_hooked)
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
         self._lora_version = -1  # the LoRA table's version whose stacks the layers hold
         self._lora_width = 0
+        self._lora_held: list[torch.Tensor] = []  # the folded A stacks and bands the layers point at
         self._scratch = torch.empty(0)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, rows: NativeRows | None,
@@ -168,12 +190,19 @@ class NativeDecodeLayers:
         return torch.nn.functional.pad(lora.row_slots, (0, t - lora.row_slots.shape[0]), value=-1)
 
     def _point_at_lora(self, table: LoraTable) -> None:
-        """The table's stacks are replaced where a load widens them: read their addresses after each load."""
+        """The table's stacks are replaced where a load widens them, and their values change with each load:
+        after each, fold A by the smoothing vectors again and find B's bands."""
+        held = []
         for entry, layer in zip(self.layers, self.model.layers):
             for linear, module in zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer)):
                 a, b = table.a[module.lora_id], table.b[module.lora_id]
+                if a is not None:
+                    a, band = smoothed_a(a, module.w8a8_smooth), rank_bands(b)
+                    held += [a, band]
                 linear.lora_a, linear.lora_b = _address(a), _address(b)
+                linear.lora_band = None if a is None else band.data_ptr()
                 linear.lora_rank = 0 if a is None else a.shape[2]
+        self._lora_held = held
         self._lora_width = max((a.shape[2] for a in table.a if a is not None), default=0)
         self._lora_version = table.version
 
@@ -184,7 +213,7 @@ class NativeDecodeLayers:
         sizes = {"tmp": t * widest, "qkv": t * first.qkv.n, "q": t * step.heads * step.head_dim,
                  "attn": t * step.heads * step.head_dim, "gate_up": t * first.gate_up.n, "proj": t * step.hidden,
                  "sx": t, "u": -(-t * widest // 4),  # u: uint8, in float32 units
-                 "lora_t": t * step.lora_width, "lora_x": t * widest if step.lora_width else 0}
+                 "lora_t": t * step.lora_width}
         total = sum(-(-n // 16) * 16 for n in sizes.values())  # each buffer 64-byte aligned
         if self._scratch.numel() < total:
             self._scratch = torch.empty(total, dtype=torch.float32)

@@ -17,7 +17,7 @@ from pipeline.engine.request import Request, SamplingParams
 from pipeline.model import llama as llama_module
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import load_model
-from pipeline.model.native_decode import native_decode_reason
+from pipeline.model.native_decode import native_decode_reason, rank_bands, smoothed_a
 from pipeline.model.w8a8_gemm import NATIVE, PLAIN
 from tests.lora_adapters import make_adapter, make_adapters
 from tests.model.gemm_script import script_gemm_choice
@@ -155,7 +155,7 @@ def test_the_mlp_activation_from_the_gemms_tiles_gives_the_stored_products_bits(
         native = loaded.model.native_layers
         assert native is not None, native_decode_reason(loaded.model)
         if not fused:  # the entry answers "not this width", as for any width off the panel
-            refuse = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 11)(lambda *args: -2)
+            refuse = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 13)(lambda *args: -2)
             native.gemm_silu = ctypes.cast(refuse, ctypes.c_void_p).value
         with monkeypatch.context() as patch:
             pairs = _paired_steps(patch)
@@ -247,27 +247,52 @@ def test_adapter_rows_run_natively_with_the_torch_layers_deltas(tiny_model_dir, 
         assert any(pair.adapters and pair.rows == rows for pair in pairs)
 
 
-def test_adapter_rows_on_the_mlp_leave_the_fused_activation_for_the_stored_products(tmp_path, native_gemm,
-                                                                                  monkeypatch):
-    """An MLP width on the GEMM's panel takes the fused gate_up + SiLU entry, which has no deltas before the
-    SiLU: a step with adapter rows on the MLP runs the stored products instead (same values as the torch
-    layers'), and steps of base rows alone keep the fused entry."""
+def test_adapter_rows_on_the_mlp_keep_the_fused_activation_with_the_stored_products_bits(tmp_path, native_gemm,
+                                                                                     monkeypatch):
+    """An MLP width on the GEMM's panel takes the fused gate_up + SiLU entry, steps with adapter rows on the
+    MLP too: their gate and up deltas are added to the GEMM's tiles before the SiLU, and the down projection's
+    adapter projects the smoothed activation (A divided by the smoothing vector). The same hidden states as the
+    torch layers, and the same bits as the stored products' path (the entry refused) on every step."""
     pytest.importorskip("peft")
     checkpoint = build_tiny_checkpoint(tmp_path / "wide", seed=3, intermediate_size=4 * vnni_gemm.PANEL)
     mlp = {"m": make_adapter(checkpoint, tmp_path / "m", 8, ["gate_proj", "up_proj", "down_proj"], seed=5)}
-    loaded = load_model(checkpoint, quant="w8a8")
-    native = loaded.model.native_layers
-    assert native is not None, native_decode_reason(loaded.model)
-    fused = []
-    entry = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 11)(lambda *args: fused.append(1) or -2)
-    native.gemm_silu = ctypes.cast(entry, ctypes.c_void_p).value  # counts its calls, then refuses
-    pairs = _lora_pairs(loaded, mlp, monkeypatch, count=8, rows=8, max_loaded=1, tokens=8)
-    _assert_adapter_steps_native(pairs)
-    layers = len(loaded.model.layers)
-    assert len(fused) == layers * sum(not pair.adapters for pair in pairs)
-    fused.clear()
-    _generate(loaded, max_tokens=2)  # base rows alone
-    assert len(fused) >= 2 * layers
+    entry_type = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 13)
+    runs = []
+    for fused in (True, False):
+        loaded = load_model(checkpoint, quant="w8a8")
+        native = loaded.model.native_layers
+        assert native is not None, native_decode_reason(loaded.model)
+        real, hooked = entry_type(native.gemm_silu), []
+        # counts the calls with a tile hook (adapter rows on gate_up), then runs the entry or refuses it
+        entry = entry_type(lambda *args, real=real, hooked=hooked, fused=fused:
+                           hooked.append(args[11] is not None) or (real(*args) if fused else -2))
+        native.gemm_silu = ctypes.cast(entry, ctypes.c_void_p).value
+        with monkeypatch.context() as patch:
+            pairs = _lora_pairs(loaded, mlp, patch, count=8, rows=8, max_loaded=1, tokens=8)
+        _assert_adapter_steps_native(pairs)
+        assert len(hooked) == len(loaded.model.layers) * len(pairs)
+        assert sum(hooked) == len(loaded.model.layers) * sum(pair.adapters for pair in pairs)
+        runs.append([pair.got for pair in pairs])
+        _script_native(monkeypatch)  # for the second load
+    assert len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_rank_bands_bound_each_16_columns_nonzero_ranks_over_every_slot():
+    """A fused linear's block-diagonal B^T: each 16 columns' band holds every slot's nonzero ranks there (a
+    slot of lower rank inside it), and columns no slot's B^T reaches get an empty band."""
+    b = torch.zeros(3, 12, 72)  # [slots, R, out]: parts of 32, 24 and 16 columns (the last 16 untouched)
+    b[0, 0:4, 0:32], b[0, 4:8, 32:56] = 1.0, -2.0
+    b[2, 0:3, 0:32], b[2, 8:12, 32:56] = 0.5, 3.0  # slot 1 targets nothing
+    expected = [[0, 4], [0, 4], [4, 12], [4, 12], [0, 0]]
+    assert rank_bands(b).tolist() == expected and rank_bands(b).dtype == torch.int32
+
+
+def test_smoothed_a_projects_the_smoothed_input_as_a_projects_the_input():
+    gen = torch.Generator().manual_seed(0)
+    x, a = torch.randn(5, 24, generator=gen), torch.randn(3, 24, 8, generator=gen)
+    smooth = torch.rand(24, generator=gen) * 4 + 0.1
+    torch.testing.assert_close((x * smooth) @ smoothed_a(a, smooth), x @ a)
+    assert smoothed_a(a, None) is a
 
 
 def _split(lens: list[int], first: list[int] | None = None, threads: int = 2) -> list[int]:
