@@ -144,6 +144,22 @@ def test_the_native_gemm_is_exact_at_the_extremes_and_on_strided_rows():
     assert torch.equal(packed_int8_products(wide[:, 8 : 8 + k], torch.ones(50), handle), expected)
 
 
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 1538), (1, 3), (97, 4099)])
+def test_the_native_panels_are_the_weight_by_panel_group_and_channel(n, k):
+    """The packed layout against its definition in torch: panel p, group g of 4 k, channel c of the panel
+    holds w[48 p + c, 4 g .. 4 g + 3], zeros past the weight; the correction is 128 x each channel's sum."""
+    if vnni_gemm.unavailable_reason():
+        pytest.skip(f"no native int8 GEMM here: {vnni_gemm.unavailable_reason()}")
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n + k))
+    weight = vnni_gemm.NativeInt8Weight(qweight)
+    panel, group = vnni_gemm.PANEL, vnni_gemm.GROUP
+    padded = torch.zeros(-(-n // panel) * panel, -(-k // group) * group, dtype=torch.int8)
+    padded[:n, :k] = qweight
+    expected = padded.view(-1, panel, padded.shape[1] // group, group).transpose(1, 2).reshape(-1)
+    assert torch.equal(weight.panels, expected)
+    assert torch.equal(weight.correction, 128 * qweight.sum(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("n", [49152, 49150])
 def test_the_native_gemm_streams_an_output_past_the_caches_to_the_same_bits(n):
     """Outputs over 8 MB (an LM head's) are written with streaming stores where rows stay 64-byte aligned
