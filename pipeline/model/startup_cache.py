@@ -165,11 +165,7 @@ class StartupCache:
                 pass
             self.built += 1
             value = build()
-            try:
-                self._write(name, value, dump)
-            except OSError as e:
-                log.warning("cannot write startup cache entry %s (%s): the next start recomputes it",
-                            self.root / name, e)
+            self._write_or_warn(name, value, dump)
             return value
         finally:
             lock.release()
@@ -193,7 +189,14 @@ class StartupCache:
             self.root.mkdir(parents=True, exist_ok=True)
             with FileLock(str(self.root / f"{name}.lock")):
                 if not (self.root / f"{name}.seal").exists():
-                    self._write(name, value, dump)
+                    self._write_or_warn(name, value, dump)
+        except OSError as e:
+            log.warning("startup cache %s is not writable (%s): the next start recomputes it", self.root, e)
+
+    def _write_or_warn(self, name: str, value: T, dump: Callable[[T, BinaryIO], None]) -> None:
+        """`_write`, a failure logged: the job goes on with the value it built."""
+        try:
+            self._write(name, value, dump)
         except OSError as e:
             log.warning("cannot write startup cache entry %s (%s): the next start recomputes it",
                         self.root / name, e)
