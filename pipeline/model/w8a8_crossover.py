@@ -14,8 +14,8 @@ timed on it too, and it runs the weight-only steps below the first size at which
 the two; that weight-only step is then the one compared with W8A8. A step costs about num_layers /
 TIMED_LAYERS x the timed layers plus the head: distinct layers, so their weights stream from memory as in a
 step, not one layer's from cache num_layers times (which also took num_layers / TIMED_LAYERS times as long:
-the 1B shape's timing ~12 s of a busy first start). The elementwise work around the products (activation quantization, casts) is left out: compiled
-layers fuse it into the loops both kinds of step have anyway.
+the 1B shape's timing ~12 s of a busy first start). The elementwise work around the products (activation
+quantization, casts) is left out: compiled layers fuse it into the loops both kinds of step have anyway.
 """
 
 from __future__ import annotations
