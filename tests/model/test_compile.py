@@ -4,6 +4,7 @@ compiled graphs are shared through torch's on-disk cache."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.model.layers import pin_vector_isa
+from pipeline.model.layers import pin_vector_isa, vector_isa_ok
 from pipeline.model.llama import LAYERS_PER_GRAPH, layer_runs
 from pipeline.model.loader import load_model
 from tests.reference import assert_only_near_ties, greedy_decode, prompt_logits
@@ -81,8 +82,8 @@ import torch
 import torch._inductor.cpu_vec_isa as isa
 from pipeline.model.layers import compiled_copy
 
-if sys.argv[1] == "broken":
-    isa.valid_vec_isa_list = lambda: []
+if sys.argv[1] == "broken":  # no instruction set's check program builds
+    isa.valid_vec_isa_list, isa.supported_vec_isa_list = lambda: [], []
 fn = compiled_copy(lambda x, y: torch.nn.functional.silu(x) * y)
 fn(torch.randn(64, 256), torch.randn(64, 256))
 """
@@ -116,5 +117,38 @@ def test_a_preset_vector_verdict_is_kept_and_a_failed_check_is_recorded(monkeypa
     with config.patch({"cpp.vec_isa_ok": False}):  # as TORCHINDUCTOR_VEC_ISA_OK=0 sets it
         assert pin_vector_isa() is False
     monkeypatch.setattr(isa, "valid_vec_isa_list", lambda: [])
+    monkeypatch.setattr(isa, "supported_vec_isa_list", [])
     with config.patch({"cpp.vec_isa_ok": None}):
         assert pin_vector_isa() is False and config.cpp.vec_isa_ok is False
+
+
+class FakeIsa:
+    """An instruction set whose check program passes or not (`ok`); each check is recorded in `checked`."""
+
+    def __init__(self, name: str, ok: bool, checked: list[str]):
+        self.name, self.ok, self.checked = name, ok, checked
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __bool__(self) -> bool:
+        self.checked.append(self.name)
+        return self.ok
+
+
+@pytest.mark.skipif((sys.platform, platform.machine()) != ("linux", "x86_64"), reason="x86-64 Linux's order")
+def test_the_vector_check_stops_at_the_widest_set_that_passes_and_skips_sets_the_cpu_lacks(monkeypatch):
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
+    checked: list[str] = []
+    sets = [FakeIsa(name, ok, checked) for name, ok in
+            (("avx512 amx_tile", True), ("avx512", False), ("avx2", True), ("avx2 zz", True))]
+    monkeypatch.setattr(isa, "supported_vec_isa_list", sets)
+    with config.patch({"cpp.vec_isa_ok": None, "cpp.simdlen": None}):
+        assert vector_isa_ok() is True and checked == ["avx512", "avx2"]
+        checked.clear()
+        sets[2].ok = False
+        assert vector_isa_ok() is False and checked == ["avx512", "avx2"]
