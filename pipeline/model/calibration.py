@@ -36,7 +36,8 @@ class LinearInput:
 
     absmax: torch.Tensor
     gram: torch.Tensor | None
-    weight: torch.Tensor | None = None  # the float32 weight the pass multiplied by (`calibrate`'s `weights`)
+    # the float32 weight the pass multiplied by (`calibrate`'s `weights`): the visit's own, to overwrite
+    weight: torch.Tensor | None = None
 
 
 def calibration_ids(tokenizer) -> list[int]:

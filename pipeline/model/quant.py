@@ -296,22 +296,25 @@ class QuantLinear(ParallelLinear):
         return CpuPacked(self.bits, self.packed_weight, self.packed_scales, self.packed_group)
 
     def attach_w8a8(self, choice: KernelChoice, seen: LinearInput | None = None) -> None:
-        """Add the int8 per-channel layout W8A8 calls use: with what calibration fed this linear (`seen`),
-        smoothed (`smoothing_factors`) and rounded, against the smoothed inputs (`gptq_int8`) where `seen`
-        has their Gram matrix, else to nearest; without, the weight itself when it already is one, else
-        rounded to nearest. quant=w8a8 has no other calls, so there a calibrated layout replaces the
-        original."""
+        """Add the int8 per-channel layout W8A8 calls use: with what calibration fed this linear (`seen`;
+        its float32 weight, if any, is consumed: scaled in place), smoothed (`smoothing_factors`) and
+        rounded, against the smoothed inputs (`gptq_int8`) where `seen` has their Gram matrix, else to
+        nearest; without, the weight itself when it already is one, else rounded to nearest. quant=w8a8 has
+        no other calls, so there a calibrated layout replaces the original."""
         if self.qweight is None:
             raise RuntimeError("attach_w8a8 needs the loaded weights in their original layout")
         bound = w8a8_weight_bound(self.qweight.device)
         if seen is not None:
             weight = self.dequantize() if seen.weight is None else seen.weight
             smooth = smoothing_factors(seen.absmax.to(weight.device), weight)
+            # the float32 copy is this call's own: smoothed in place, not into a new one (a fresh 1B model's
+            # worth of float32 pages to fault in: 63 ms against 8 for a 16384 x 2048 weight on 2 cores)
+            smoothed = weight.mul_(smooth)
             if seen.gram is None:
-                self.w8a8_weight, self.w8a8_scales = quantize_int8(weight * smooth, bound=bound)
+                self.w8a8_weight, self.w8a8_scales = quantize_int8(smoothed, bound=bound)
             else:  # the smoothed layer's inputs are x / smooth: their Gram matrix is H / (smooth smooth^T)
                 gram = seen.gram.to(weight.device) / torch.outer(smooth, smooth)
-                self.w8a8_weight, self.w8a8_scales = gptq_int8(weight * smooth, gram, bound)
+                self.w8a8_weight, self.w8a8_scales = gptq_int8(smoothed, gram, bound)
             self.w8a8_smooth = 1.0 / smooth
             if self.scheme == "w8a8":
                 self.qweight = self.scales = None
@@ -372,8 +375,17 @@ def smoothing_factors(input_absmax: torch.Tensor, weight: torch.Tensor, alpha: f
     W8A8 layout multiplies weight column j by s_j and divides input channel j by it, the same product with
     the activations' range moved into the weights (which are quantized per output channel)."""
     a = input_absmax.float().clamp_min(1e-5)
-    w = torch.maximum(weight.amax(0), weight.amin(0).neg()).float().clamp_min(1e-5)  # max |w|, no |w| copy
+    w = column_absmax(weight).float().clamp_min(1e-5)
     return (a.pow(alpha) / w.pow(1 - alpha)).clamp_min(1e-5)
+
+
+def column_absmax(weight: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """max |w| per input channel [K] of a weight [N, K], with no |w| copy, reduced within blocks of `block`
+    rows first: torch reduces a tall matrix's columns in one pass at half the speed (a 1B model's weights
+    and head: 1.7 s of CPU in a first start against 0.8 s)."""
+    n, k = weight.shape
+    blocks = weight.reshape(n // block, block, k) if n % block == 0 else weight[None]
+    return torch.maximum(blocks.amax(1).amax(0), blocks.amin(1).amin(0).neg())
 
 
 def column_copies(absmax: torch.Tensor, outliers: int = OUTLIER_CHANNELS) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pipeline.model.quant import (
     QuantLinear,
     QuantLMHead,
     attach_w8a8,
+    column_absmax,
     column_copies,
     head_layout,
     smoothing_factors,
@@ -131,6 +132,14 @@ def test_smoothing_factors_balance_activation_and_weight_ranges():
     torch.testing.assert_close(s[:2], torch.tensor([(4 / 2) ** 0.5, (2 / 8) ** 0.5]))
     torch.testing.assert_close(absmax[:2] / s[:2], weight.abs().amax(0)[:2] * s[:2])
     assert torch.isfinite(s).all() and (s > 0).all()
+
+
+@pytest.mark.parametrize("rows", [64, 96, 33, 1])
+def test_column_absmax_is_the_largest_magnitude_of_each_column_in_blocks_or_not(rows):
+    weight = torch.randn(rows, 48)
+    weight[rows // 2, 5] = -50.0  # a negative outlier counts by its magnitude
+    assert torch.equal(column_absmax(weight), weight.abs().amax(0))
+    assert torch.equal(column_absmax(weight.bfloat16()), weight.bfloat16().abs().amax(0))
 
 
 def test_smoothing_moves_an_outlier_channel_out_of_the_int8_step():
