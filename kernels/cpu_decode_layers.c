@@ -33,6 +33,11 @@ static inline vec splat(float x) { return (vec){0} + x; }
 
 #define PARALLEL_MIN 16384 /* elements of a pass below which the second thread's wake-up costs more */
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define HAVE_LORA_TILES 1
+#include "cpu_amx.h"
+#endif
+
 static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 static inline __m512 load(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline void store(float *p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
@@ -189,6 +194,144 @@ void lora_delta(const float *x, const float *y, float *out, const int64_t *slots
     }
 }
 
+#ifdef HAVE_LORA_TILES
+/* The deltas on AMX's bfloat16 tiles (struct linear's lora_a16 and lora_b16): a tile pass multiplies 16 rows
+ * by 32 bfloat16 values of k (or of rank) into 16 float32 columns, where the float32 loops above multiply-add
+ * 16 values an instruction. Inputs and projections are rounded to bfloat16, products and sums are float32 (the
+ * deltas' error is bfloat16's, well inside the W8A8 products' they are added to). SmolLM2, 256 rows over 8
+ * adapters of rank 16, Xeon AMX: see docs/performance.md. Tiles 0-2 are used, 16 rows x 64 bytes: the int8
+ * GEMM's AMX configuration has them so (the gate_up hook runs inside it), else lora_tiles_begin loads one. */
+#define TILE 16 /* rows of a tile, and float32 columns of its sums */
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Loads 16-row x 64-byte tiles 0-2 unless the thread's configuration has them; returns whether it loaded
+ * one (the caller releases it when done). */
+static int lora_tiles_begin(void)
+{
+    struct tile_config c;
+    _tile_storeconfig(&c);
+    int ready = c.palette == 1;
+    for (int i = 0; i < 3; i++)
+        ready &= c.rows[i] == TILE && c.colsb[i] == 64;
+    if (ready)
+        return 0;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 3; i++)
+        c.rows[i] = TILE, c.colsb[i] = 64;
+    _tile_loadconfig(&c);
+    return 1;
+}
+
+/* dst [kp] = src [k] in bfloat16 (round to nearest even), zeros past k. */
+static inline void to_bf16(const float *src, int64_t k, uint16_t *dst, int64_t kp)
+{
+    for (int64_t c = 0; c < kp; c += 16)
+        _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(load(src + c, lanes_left(k - c))));
+}
+
+/* Whether rows i < v before row i had slot slots[i] (its group's slot then already done). */
+static inline int slot_seen(const int64_t *slots, int64_t i)
+{
+    for (int64_t j = 0; j < i; j++)
+        if (slots[j] == slots[i])
+            return 1;
+    return 0;
+}
+
+/* lora_project on tiles, for the rows g .. g + v - 1 (v <= 16): their inputs in bfloat16 (s->lora_x16, kp
+ * apart), then for each slot among them and 16 ranks the tiles' sums over k, each row keeping its own slot's,
+ * over its sx, in s->lora_t. Rows past v in the tile are whatever the buffer holds: their sums are dropped. */
+static void project_tile(const struct linear *l, const struct step *s, const float *x, int64_t g, int64_t v)
+{
+    const int64_t k = l->k, kp = round_up(k, 32), rank = l->lora_rank, blocks = (rank + 15) / 16;
+    const int64_t *slots = s->lora_slots + g;
+    uint16_t *xb = s->lora_x16 + g * kp;
+    for (int64_t i = 0; i < v; i++)
+        if (slots[i] >= 0)
+            to_bf16(x + (g + i) * k, k, xb + i * kp, kp);
+    float sums[TILE * TILE];
+    for (int64_t i = 0; i < v; i++) {
+        if (slots[i] < 0 || slot_seen(slots, i))
+            continue;
+        const int64_t slot = slots[i];
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *a = l->lora_a16 + (slot * blocks + b) * kp * 16;
+            _tile_zero(0);
+            for (int64_t c = 0; c < kp; c += 32) {
+                _tile_loadd(1, xb + c, kp * 2);
+                _tile_loadd(2, a + c * 16, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, sums, 64);
+            const __mmask16 m = lanes(rank - b * 16);
+            for (int64_t r = i; r < v; r++)
+                if (slots[r] == slot)
+                    store(s->lora_t + (g + r) * s->lora_width + b * 16, m,
+                          _mm512_div_ps(load(sums + r * TILE, m), _mm512_set1_ps(s->sx[g + r])));
+        }
+    }
+}
+
+/* add_deltas on tiles, for rows r0 .. r0 + rows - 1 of out (ld apart; any count) and columns c0 .. c0 + cols - 1
+ * (c0 a multiple of 16): 16 rows at a time, for each slot among them its rows' projections in bfloat16 (the
+ * other rows zero, adding nothing), times B^T's 16 columns at a time over the ranks of their band, summed
+ * onto out in the tile (through a copy where the tile would pass the rows or columns). */
+static void expand_tiles(const struct linear *l, const struct step *s, int64_t r0, int64_t rows, int64_t c0,
+                         int64_t cols, float *out, int64_t ld)
+{
+    const int64_t rank = l->lora_rank, rp = round_up(rank, 32), col_blocks = (l->n + 15) / 16;
+    const int loaded = lora_tiles_begin();
+    uint16_t t[TILE * rp];
+    float copy[TILE * TILE];
+    for (int64_t g = r0; g < r0 + rows; g += TILE) {
+        const int64_t v = r0 + rows - g < TILE ? r0 + rows - g : TILE, *slots = s->lora_slots + g;
+        for (int64_t i = 0; i < v; i++) {
+            if (slots[i] < 0 || slot_seen(slots, i))
+                continue;
+            const int64_t slot = slots[i];
+            for (int64_t r = 0; r < TILE; r++)
+                if (r < v && slots[r] == slot)
+                    to_bf16(s->lora_t + (g + r) * s->lora_width, rank, t + r * rp, rp);
+                else
+                    memset(t + r * rp, 0, (size_t)rp * sizeof *t);
+            const uint16_t *b = l->lora_b16 + slot * col_blocks * rp * 16;
+            for (int64_t c = 0; c < cols; c += 16) {
+                const int64_t block = (c0 + c) / 16, w = cols - c < 16 ? cols - c : 16;
+                const int64_t lo = l->lora_band ? l->lora_band[2 * block] : 0;
+                const int64_t hi = l->lora_band ? l->lora_band[2 * block + 1] : rank;
+                if (hi <= lo)
+                    continue;
+                float *y = out + (g - r0) * ld + c;
+                const int whole = v == TILE && w == 16;
+                if (whole)
+                    _tile_loadd(0, y, ld * 4);
+                else {
+                    for (int64_t r = 0; r < TILE; r++)
+                        store(copy + r * TILE, 0xFFFF, r < v ? load(y + r * ld, lanes(w)) : _mm512_setzero_ps());
+                    _tile_loadd(0, copy, 64);
+                }
+                for (int64_t j = lo / 32 * 32; j < hi; j += 32) {
+                    _tile_loadd(1, t + j, rp * 2);
+                    _tile_loadd(2, b + (block * rp + j) * 16, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                if (whole)
+                    _tile_stored(0, y, ld * 4);
+                else {
+                    _tile_stored(0, copy, 64);
+                    for (int64_t r = 0; r < v; r++)
+                        store(y + r * ld, lanes(w), load(copy + r * TILE, lanes(w)));
+                }
+            }
+        }
+    }
+    if (loaded)
+        _tile_release();
+}
+#endif
+
 /* The rows' projections x A^T / sx into s->lora_t, where they run an adapter on l: x [rows, k] is the linear's
  * float input as the quantization took it, smoothed (A^T divided by the smoothing vector: struct linear), sx
  * the scales the quantization just set (the GEMM's products are in units of them until the pass after it). */
@@ -197,6 +340,20 @@ static void lora_project(const struct linear *l, const struct step *s, const flo
     if (!l->lora_a || !s->lora_slots)
         return;
     const int64_t k = l->k, rank = l->lora_rank;
+#ifdef HAVE_LORA_TILES
+    if (l->lora_a16) {
+#pragma omp parallel if (s->rows * k >= PARALLEL_MIN)
+        {
+            const int loaded = lora_tiles_begin();
+#pragma omp for
+            for (int64_t g = 0; g < s->rows; g += TILE)
+                project_tile(l, s, x, g, s->rows - g < TILE ? s->rows - g : TILE);
+            if (loaded)
+                _tile_release();
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
     for (int64_t lo = 0; lo < s->rows; lo += LORA_ROWS) {
         const int64_t end = lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows;
@@ -232,6 +389,14 @@ static void lora_add(const struct linear *l, const struct step *s, float *out)
     if (!l->lora_a || !s->lora_slots)
         return;
     const int64_t n = l->n;
+#ifdef HAVE_LORA_TILES
+    if (l->lora_a16) {
+#pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
+        for (int64_t g = 0; g < s->rows; g += TILE)
+            expand_tiles(l, s, g, s->rows - g < TILE ? s->rows - g : TILE, 0, n, out + g * n, n);
+        return;
+    }
+#endif
 #pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
     for (int64_t lo = 0; lo < s->rows; lo += LORA_ROWS)
         add_deltas(l, s, lo, lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows, 0, n, out + lo * n, n);
@@ -248,6 +413,12 @@ struct lora_context {
 static void lora_tile(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile, int64_t ld)
 {
     const struct lora_context *c = context;
+#ifdef HAVE_LORA_TILES
+    if (c->l->lora_a16) {
+        expand_tiles(c->l, c->s, r0, rows, c0, cols, tile, ld);
+        return;
+    }
+#endif
     for (int64_t lo = r0; lo < r0 + rows; lo += LORA_ROWS)
         add_deltas(c->l, c->s, lo, lo + LORA_ROWS < r0 + rows ? lo + LORA_ROWS : r0 + rows, c0, cols,
                    tile + (lo - r0) * ld, ld);
@@ -522,6 +693,8 @@ static struct step rows_of(const struct step *s, int64_t lo, int64_t hi)
     t.gate_up += lo * 2 * s->intermediate, t.proj += lo * s->hidden;
     if (t.lora_slots)
         t.lora_slots += lo, t.lora_t += lo * s->lora_width;
+    if (t.lora_x16)
+        t.lora_x16 += lo * ((widest + 31) / 32 * 32);
     return t;
 }
 
@@ -598,6 +771,15 @@ void lora_delta(const float *x, const float *y, float *out, const int64_t *slots
 
 #endif
 
+int lora_tiles_available(void)
+{
+#ifdef HAVE_LORA_TILES
+    return amx_granted(AMX_BF16_BIT);
+#else
+    return 0;
+#endif
+}
+
 /* The structs' layout as this compiler lays them out, for the test that holds the ctypes mirrors
  * (kernels/cpu_decode_layers.py) to it: a mirror that disagrees would have this code read its fields at the
  * wrong addresses. */
@@ -609,7 +791,7 @@ static const struct {
 } LAYOUT[] = {
     SIZE(linear), FIELD(linear, panels), FIELD(linear, correction), FIELD(linear, scale), FIELD(linear, smooth),
     FIELD(linear, n), FIELD(linear, k), FIELD(linear, lora_a), FIELD(linear, lora_b), FIELD(linear, lora_rank),
-    FIELD(linear, lora_band),
+    FIELD(linear, lora_band), FIELD(linear, lora_a16), FIELD(linear, lora_b16),
     SIZE(layer), FIELD(layer, input_norm), FIELD(layer, post_norm), FIELD(layer, qkv), FIELD(layer, o),
     FIELD(layer, gate_up), FIELD(layer, down), FIELD(layer, k_pool), FIELD(layer, v_pool), FIELD(layer, k_scale),
     FIELD(layer, v_scale),
@@ -619,7 +801,7 @@ static const struct {
     FIELD(step, first), FIELD(step, table_stride), FIELD(step, num_blocks), FIELD(step, gemm),
     FIELD(step, gemm_silu), FIELD(step, write), FIELD(step, decode), FIELD(step, u), FIELD(step, sx),
     FIELD(step, tmp), FIELD(step, qkv), FIELD(step, q), FIELD(step, attn), FIELD(step, gate_up), FIELD(step, proj),
-    FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_width),
+    FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_width), FIELD(step, lora_x16),
 };
 
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size)

@@ -27,12 +27,13 @@ class Linear(ctypes.Structure):
     """A W8A8 linear on the native GEMM: packed panels, zero-point correction, column scales, and the
     smoothing vector its input is multiplied by (None: none); its resident LoRA pairs stacked per slot,
     A^T [slots, k, lora_rank] divided by the smoothing vector along k and B^T scaled [slots, lora_rank, n]
-    (None: no slot's adapter targets it), and `lora_band` int32 [ceil(n / 16), 2] the ranks each 16 columns
-    of B^T need (None: all)."""
+    (None: no slot's adapter targets it), `lora_band` int32 [ceil(n / 16), 2] the ranks each 16 columns
+    of B^T need (None: all), and `lora_a16` / `lora_b16` the pairs as AMX's bfloat16 tiles read them
+    (`lora_tiles`; None: the float32 pairs' loops)."""
 
     _fields_ = [("panels", _pointer), ("correction", _pointer), ("scale", _pointer), ("smooth", _pointer),
                 ("n", _size), ("k", _size), ("lora_a", _pointer), ("lora_b", _pointer), ("lora_rank", _size),
-                ("lora_band", _pointer)]
+                ("lora_band", _pointer), ("lora_a16", _pointer), ("lora_b16", _pointer)]
 
 
 class Layer(ctypes.Structure):
@@ -46,7 +47,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """What every layer of one step shares (`struct step` in kernels/cpu_kernels.h); `lora_slots` [rows]
     int64 each row's adapter slot (-1: base), None when no row has one, `lora_t` scratch of `lora_width`
-    floats a row."""
+    floats a row, `lora_x16` bfloat16 scratch for the tiles' inputs (`lora_x16_values`)."""
 
     _fields_ = [("rows", _size), ("hidden", _size), ("heads", _size), ("kv_heads", _size), ("head_dim", _size),
                 ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
@@ -54,7 +55,8 @@ class Step(ctypes.Structure):
                 ("first", _pointer), ("table_stride", _size), ("num_blocks", _size), ("gemm", _pointer),
                 ("gemm_silu", _pointer), ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer),
                 ("tmp", _pointer), ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer),
-                ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_width", _size)]
+                ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_width", _size),
+                ("lora_x16", _pointer)]
 
 
 def unavailable_reason() -> str | None:
@@ -99,6 +101,29 @@ def splits_by_rows(layer: Layer, rows: int, threads: int) -> bool:
     return bool(library.splits_by_rows(ctypes.byref(layer), rows, threads))
 
 
+def lora_tiles() -> bool:
+    """Whether the native layers' LoRA deltas can run on AMX's bfloat16 tiles here (the build has AMX-BF16, the
+    CPU has it and Linux grants the tile state)."""
+    library = _library_or_reason()
+    return not isinstance(library, str) and bool(library.lora_tiles_available())
+
+
+def lora_x16_values(rows: int, widest: int) -> int:
+    """bfloat16 values of `Step.lora_x16` for `rows` rows whose widest linear input is `widest`: each row's
+    input up to a multiple of 32, and 16 rows more (a tile of the last rows reads 16 rows)."""
+    return (rows + 16) * -(-widest // 32) * 32
+
+
+def pack_tiles(t: torch.Tensor) -> torch.Tensor:
+    """[slots, K, C] float as AMX's bfloat16 B operand: [slots, ceil(C / 16), Kp / 2, 16, 2] with K padded with
+    zeros to Kp, a multiple of 32, and C to a multiple of 16 (each 16 columns' values, pairs of rows side by
+    side): `Linear.lora_a16` from A^T, `lora_b16` from B^T."""
+    slots, k, c = t.shape
+    kp, cp = -(-k // 32) * 32, -(-c // 16) * 16
+    t = torch.nn.functional.pad(t, (0, cp - c, 0, kp - k))
+    return t.view(slots, kp // 2, 2, cp // 16, 16).permute(0, 3, 1, 4, 2).to(torch.bfloat16).contiguous()
+
+
 def lora_delta(x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """y [T, n] plus each row's LoRA delta x [T, k] a[slot] b[slot] (a [slots, k, R], b [slots, R, n]; float32
     on CPU) for row t's slot slots[t] (int64; -1, or t past its end: none), as a new tensor: one pass over
@@ -129,4 +154,5 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.lora_delta.argtypes = [_pointer, _pointer, _pointer, _pointer, _size, _size, _size, _size, _pointer,
                                    _pointer, _size]
     library.lora_delta.restype = None
+    library.lora_tiles_available.restype = ctypes.c_int
     return library

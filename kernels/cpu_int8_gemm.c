@@ -45,13 +45,9 @@
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
 #define HAVE_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 #define AR 16 /* rows of an AMX tile */
 #define KB 16 /* groups of 4 k per A or B tile */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #endif
 
 #ifdef __AVX512VNNI__
@@ -93,13 +89,8 @@ static inline void tile(const uint8_t *a, int64_t lda, const int8_t *panel, int6
 /* The tile registers' shapes (palette 1). Row tiles of 2 AR rows (k4 a multiple of KB): tmm0-5 the C tiles
  * (16 x 16 int32), tmm6 the A tile, tmm7 the B tile. Of AR rows: tmm0-2 the C tiles, tmm3 the A tile, tmm4-5
  * the B tiles, tmm6-7 the A and B tiles of the last `tail` groups (k4 % KB). Loaded by each thread that runs
- * tiles: the configuration is per thread, and loading it zeroes the tiles. */
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
+ * tiles: the configuration is per thread, and loading it zeroes the tiles. Tiles 0-2 are 16 rows x 64 bytes
+ * in either, which the LoRA hook's tiles rely on (kernels/cpu_decode_layers.c). */
 static void amx_configure(int64_t k4, int64_t rows) {
     struct tile_config c = {.palette = 1};
     int tail = (int)(k4 % KB);
@@ -225,9 +216,7 @@ int int8_gemm_amx(void) {
     static int state = -1; /* -1: not asked yet; the answer is the same for every thread that asks */
     int known = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
     if (known < 0) {
-        unsigned eax, ebx, ecx, edx;
-        int cpu = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 24 & 1) && (edx >> 25 & 1);
-        known = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        known = amx_granted(AMX_INT8_BIT);
         __atomic_store_n(&state, known, __ATOMIC_RELEASE);
     }
     return known;
@@ -481,7 +470,7 @@ static inline void silu_store(int rows, const float *gate, const float *up, cons
  * scaling the stored products and applying silu_times. The [m, 2 * half] products are never written: each
  * thread takes pairs of panels (gate channels c .. c + NR - 1 and their up channels), the gate panel's tiles
  * into a buffer of its own, then each up tile into a small one and combined with them. `hook` (unless NULL)
- * adds to each gate and up tile in those buffers first (a LoRA delta's columns: kernels/cpu_decode_layers.c),
+ * adds to each gate and up row tile (all its rows at once) in those buffers first (a LoRA delta's columns: kernels/cpu_decode_layers.c),
  * as it would to int8_gemm's stored products. Returns 0; -2 where half is not a multiple of the panel width
  * (nothing done: use int8_gemm); -1 where a buffer could not be allocated (out then incomplete). */
 int int8_gemm_silu_hooked(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
@@ -511,22 +500,23 @@ int int8_gemm_silu_hooked(const uint8_t *u, int64_t lda, int64_t m, int64_t k, c
                 for (int h = 0; h * MR < rows; h++) {
                     int64_t r0 = t * a.rows + h * MR;
                     store(acc[h], part_rows(rows, h), NR, correction + q * NR, scale + q * NR, gate + r0 * NR, NR, 0);
-                    if (hook)
-                        hook(context, r0, part_rows(rows, h), q * NR, NR, gate + r0 * NR, NR);
                 }
+                if (hook)
+                    hook(context, t * a.rows, rows, q * NR, NR, gate + t * a.rows * NR, NR);
             }
             int64_t p = pairs + q;
             for (int64_t t = 0; t < a.tiles; t++) {
                 __m512i acc[PARTS][MR][NV];
-                float up[MR * NR];
+                float up[PARTS * MR * NR];
                 int rows = product_tile(&a, m, packed, k4, p, 2 * pairs, t, acc);
+                for (int h = 0; h * MR < rows; h++)
+                    store(acc[h], part_rows(rows, h), NR, correction + p * NR, scale + p * NR, up + h * MR * NR, NR, 0);
+                if (hook)
+                    hook(context, t * a.rows, rows, p * NR, NR, up, NR);
                 for (int h = 0; h * MR < rows; h++) {
                     int64_t r0 = t * a.rows + h * MR;
-                    store(acc[h], part_rows(rows, h), NR, correction + p * NR, scale + p * NR, up, NR, 0);
-                    if (hook)
-                        hook(context, r0, part_rows(rows, h), p * NR, NR, up, NR);
-                    silu_store(part_rows(rows, h), gate + r0 * NR, up, row_scale + r0, smooth ? smooth + q * NR : NULL,
-                               out + r0 * half + q * NR, half);
+                    silu_store(part_rows(rows, h), gate + r0 * NR, up + h * MR * NR, row_scale + r0,
+                               smooth ? smooth + q * NR : NULL, out + r0 * half + q * NR, half);
                 }
             }
         }

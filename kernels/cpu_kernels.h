@@ -75,7 +75,10 @@ int paged_integer_scores(void);
  * pass leaves in hand) and B^T scaled [slots, lora_rank, n], zero past each slot's own rank; a row of adapter
  * slot i adds x A^T[i] B^T[i]. lora_band [ceil(n / 16), 2]: for each 16 columns, the ranks [lo, hi) outside
  * which every slot's B^T is zero there (a fused linear's B is block-diagonal: each part's columns take only
- * its own ranks), NULL: all ranks. */
+ * its own ranks), NULL: all ranks. lora_a16 and lora_b16 (NULL: the float32 pairs' loops): the same pairs in
+ * bfloat16 as AMX's B operand, for the deltas' tiles: A^T / smooth [slots, ceil(lora_rank / 16), kp / 2, 16, 2]
+ * (kp: k up to a multiple of 32, zeros past k) and B^T [slots, ceil(n / 16), rp / 2, 16, 2] (rp: lora_rank up
+ * to a multiple of 32), each 16 columns' values with pairs of rows side by side. */
 struct linear {
     const int8_t *panels;
     const int32_t *correction;
@@ -85,6 +88,7 @@ struct linear {
     const float *lora_a, *lora_b;
     int64_t lora_rank;
     const int32_t *lora_band;
+    const uint16_t *lora_a16, *lora_b16;
 };
 
 struct layer {
@@ -109,10 +113,13 @@ struct step {
     uint8_t *u;
     float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
     /* each row's LoRA adapter slot (-1: the base model), NULL when no row has one; scratch for each row's
-     * rank-space projection (lora_t, lora_width floats a row: the widest lora_rank) */
+     * rank-space projection (lora_t, lora_width floats a row: the widest lora_rank) and, where the pairs are
+     * in bfloat16, for each row's input in bfloat16 (lora_x16: widest input up to a multiple of 32 a row, and
+     * 16 rows more) */
     const int64_t *lora_slots;
     float *lora_t;
     int64_t lora_width;
+    uint16_t *lora_x16;
 };
 
 /* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails, lora_delta is
@@ -128,6 +135,9 @@ int splits_by_rows(const struct layer *layer, int64_t rows, int threads);
 void lora_delta(const float *x, const float *y, float *out, const int64_t *slots, int64_t slotted, int64_t rows,
                 int64_t k, int64_t n, const float *a, const float *b, int64_t rank);
 int decode_layers_available(void);
+/* Whether the LoRA deltas can run on AMX's bfloat16 tiles here (built with AMX-BF16, the CPU has it, Linux
+ * grants the tile state): struct linear's lora_a16 and lora_b16 are then read. */
+int lora_tiles_available(void);
 /* Entry i of the layout of the structs above, in every build: the struct's name, a field's name, offset and
  * size, or for the struct's own size a NULL field. Returns 0 past the last entry. */
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size);

@@ -125,11 +125,12 @@ def cpu_kernels(model: nn.Module, features: CpuFeatures) -> CpuKernels:
 
 
 def decoder_layers(model: nn.Module) -> str:
-    """native (in W8A8 steps, where its attention runs every row natively), compiled or eager, and why not
-    native."""
+    """native (in W8A8 steps, where its attention runs every row natively; and the arithmetic of their LoRA
+    deltas), compiled or eager, and why not native."""
     torch_path = "compiled" if model.compiled else "eager"
     if model.native_layers is not None:
-        return f"native in W8A8 steps, else {torch_path}"
+        deltas = "AMX bfloat16 tiles" if model.native_layers.lora_tiles else "float32"
+        return f"native in W8A8 steps, else {torch_path} (LoRA deltas there: {deltas})"
     choice = model.kernel_choice
     why = "no W8A8 steps" if choice is None or choice.w8a8_rows is None else native_decode_reason(model)
     return f"{torch_path} (not native: {why})"

@@ -147,7 +147,8 @@ class NativeDecodeLayers:
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
         self._lora_version = -1  # the LoRA table's version whose stacks the layers hold
         self._lora_width = 0
-        self._lora_held: list[torch.Tensor] = []  # the folded A stacks and bands the layers point at
+        self._lora_held: list[torch.Tensor] = []  # the folded A stacks, bands and tiles the layers point at
+        self.lora_tiles = cpu_decode_layers.lora_tiles()  # the deltas on AMX's bfloat16 tiles
         self._scratch = torch.empty(0)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, rows: NativeRows | None,
@@ -196,12 +197,17 @@ class NativeDecodeLayers:
         for entry, layer in zip(self.layers, self.model.layers):
             for linear, module in zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer)):
                 a, b = table.a[module.lora_id], table.b[module.lora_id]
+                tiles = None
                 if a is not None:
                     a, band = smoothed_a(a, module.w8a8_smooth), rank_bands(b)
                     held += [a, band]
+                    if self.lora_tiles:
+                        tiles = cpu_decode_layers.pack_tiles(a), cpu_decode_layers.pack_tiles(b)
+                        held += tiles
                 linear.lora_a, linear.lora_b = _address(a), _address(b)
                 linear.lora_band = None if a is None else band.data_ptr()
                 linear.lora_rank = 0 if a is None else a.shape[2]
+                linear.lora_a16, linear.lora_b16 = (None, None) if tiles is None else (t.data_ptr() for t in tiles)
         self._lora_held = held
         self._lora_width = max((a.shape[2] for a in table.a if a is not None), default=0)
         self._lora_version = table.version
@@ -213,7 +219,8 @@ class NativeDecodeLayers:
         sizes = {"tmp": t * widest, "qkv": t * first.qkv.n, "q": t * step.heads * step.head_dim,
                  "attn": t * step.heads * step.head_dim, "gate_up": t * first.gate_up.n, "proj": t * step.hidden,
                  "sx": t, "u": -(-t * widest // 4),  # u: uint8, in float32 units
-                 "lora_t": t * step.lora_width}
+                 "lora_t": t * step.lora_width,  # lora_x16: bfloat16, in float32 units
+                 "lora_x16": -(-cpu_decode_layers.lora_x16_values(t, widest) // 2) if self.lora_tiles and step.lora_width else 0}
         total = sum(-(-n // 16) * 16 for n in sizes.values())  # each buffer 64-byte aligned
         if self._scratch.numel() < total:
             self._scratch = torch.empty(total, dtype=torch.float32)
