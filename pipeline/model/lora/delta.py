@@ -17,10 +17,16 @@ the native decoder layers, a linear's deltas are one native pass over its rows (
 torch's gather, batched matmuls and scatter-add passed over the activations several times, 0.44x the base
 model's tokens per second at 256 rows); the native W8A8 decoder layers (`pipeline.model.native_decode`) add
 the same deltas inside their own loops.
+
+On CUDA (where Triton imports) a linear's deltas are two Triton launches for all of the step's adapters
+(`kernels.triton_lora`, SGMV shrink then expand): the runs are cut into 16-row tiles of one slot once per
+step (`tiles`), and each program multiplies its tile by its slot's stacked pair, so the GPU never pays a
+launch per adapter nor pads runs to the longest; `apply` updates y in place, `added` on a copy.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -75,6 +81,12 @@ class LoraStep:
         for start, end, slot in segments:
             self.row_slots[start:end] = slot
         self.native = device.type == "cpu" and cpu_decode_layers.unavailable_reason() is None
+        # on CUDA, the runs as the Triton kernel's row tiles (None: the torch paths below)
+        self.tiles: torch.Tensor | None = None
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            from kernels.triton_lora import segment_tiles
+
+            self.tiles = segment_tiles(segments, device)
         short = [s for s in segments if s[1] - s[0] <= SHORT_RUN]
         tokens: dict[int, list[int]] = {}
         for start, end, slot in short:
@@ -111,6 +123,10 @@ class LoraStep:
         a, b, ranks = self.pairs.a[lora_id], self.pairs.b[lora_id], self.pairs.ranks[lora_id]
         if a is None:
             return y
+        if self.tiles is not None:
+            from kernels.triton_lora import lora_add_
+
+            return lora_add_(x, y, a, b, self.tiles)
         for start, end, slot in self.long:
             r = ranks[slot]
             if r:
