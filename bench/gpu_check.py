@@ -9,8 +9,9 @@ as it ends: `<n>-<section>.json`, and one line per row appended to `summary.md` 
 section that raises leaves `<n>-<section>.error.txt` (its traceback) and the next section runs.
 
 1. kernels: every Triton kernel (paged decode with and without split-K and a sliding window, prefill,
-   shared-prefix merge, W4A16, W8A16, W8A8 and its row quantization) and FP8 `_scaled_mm` against their
-   torch references, bf16 and float32, GQA groups 3, 4 and 8, head dims 64 and 128, block sizes 16 and 32.
+   shared-prefix merge, W4A16, W8A16, W8A8 and its row quantization, segmented LoRA) and FP8 `_scaled_mm`
+   against their torch references, bf16 and float32, GQA groups 3, 4 and 8, head dims 64 and 128, block
+   sizes 16 and 32.
 2. runners: the engine's own mixed steps (chunked prefill beside decodes, then decodes) run by the GPU
    runner with CUDA graphs, the GPU runner eagerly and the torch runner, on one model: max logit
    difference and argmax agreement per kind of step, and how many steps replayed a graph.
@@ -54,6 +55,7 @@ from kernels.paged_attention_reference import (  # noqa: E402
     paged_decode_reference,
     paged_prefill_reference,
 )
+from kernels.triton_lora import lora_add_, lora_delta_reference, segment_tiles  # noqa: E402
 from kernels.w8a8_reference import quantize_rows, w8a8_matmul_reference  # noqa: E402
 from kernels.w8a8_triton import quantize_rows_triton, w8a8_matmul_triton  # noqa: E402
 from kernels.wq_reference import quantize_int4, quantize_int8, wq_matmul_reference  # noqa: E402
@@ -215,6 +217,7 @@ def check_kernels(ctx: Ctx, rows: Rows) -> None:
             _attention(ctx, rows, dtype, block, hq, hkv, dim)
         _prefix_merge(ctx, rows, dtype)
         _gemms(ctx, rows, dtype)
+        _lora(ctx, rows, dtype)
     if ctx.device.type != "cuda" or torch.cuda.get_device_capability(ctx.device) < (8, 9):
         rows.add("FP8 _scaled_mm", "skipped: needs FP8 tensor cores (Ada, Hopper)")
         return
@@ -313,6 +316,25 @@ def _gemms(ctx: Ctx, rows: Rows, dtype: torch.dtype) -> None:
         differ = (q != ref_q).sum().item() + (s != ref_s).sum().item()
         rows.add(f"W8A8 row quantization kernel {str(dtype)[6:]} M={m} K={k} vs quantize_rows",
                  f"{differ} values differ", "ok" if differ == 0 else "FAIL", differ=differ)
+
+
+def _lora(ctx: Ctx, rows: Rows, dtype: torch.dtype) -> None:
+    """The segmented LoRA kernel: decodes of four adapters and a prefill chunk of one, base rows between."""
+    dev = ctx.device
+    g = torch.Generator(device=dev).manual_seed(3)
+    k, n = (96, 80) if ctx.dry else (4096, 14336)
+    runs = [(0, 5, 0), (5, 9, 3), (10, 11, 1), (11, 14, 2), (14, 60 if ctx.dry else 526, 1)]
+    slots = [-1] * runs[-1][1]
+    for start, end, slot in runs:
+        slots[start:end] = [slot] * (end - start)
+    for rank in (16, 64):
+        a = (torch.randn(4, k, rank, device=dev, generator=g) * k**-0.5).to(dtype)
+        b = (torch.randn(4, rank, n, device=dev, generator=g) * 0.1).to(dtype)
+        x = torch.randn(len(slots), k, device=dev, generator=g).to(dtype)
+        y = torch.randn(len(slots), n, device=dev, generator=g).to(dtype)
+        ref = lora_delta_reference(x, y, a, b, slots)
+        got = lora_add_(x, y.clone(), a, b, segment_tiles(runs, dev))
+        _verdict(rows, f"segmented LoRA {str(dtype)[6:]} rank {rank} T={len(slots)} {k}->{n}", got, ref, _tol(dtype))
 
 
 def _verdict(rows: Rows, case: str, got: torch.Tensor, ref: torch.Tensor, rel_tol: float) -> None:
