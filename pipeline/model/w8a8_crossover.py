@@ -41,6 +41,12 @@ REPS = 2
 # graphs of its own (SmolLM2 on 2 cores: ~10-15 s more of the first start) and its layout in memory, and
 # at 1-4 rows the two are often within the timing noise of a 2-core machine (runs flipped between them).
 WEIGHT_ONLY_MARGIN = 0.1
+# ... and that much more at each doubling of the rows, up to this: every row count more that runs weight-only
+# is compiled graphs more. Over nine first starts of the 1B shape on 2 cores (load 0.8-3.2), its 4-row
+# weight-only steps timed up to 1.19x faster than W8A8 and its 2-row ones 1.26-1.60x (but on the busiest
+# start, where W8A8 won both); a flat 10% put three of them at W8A8 from 8 rows, whose jobs spent 21.0-24.0 s
+# in torch.compile against 5.6-7.2 s from 4 rows (once 23.2).
+MAX_WEIGHT_ONLY_MARGIN = 0.3
 
 
 @dataclass(frozen=True)
@@ -87,15 +93,21 @@ def w4a8_limit(seconds: dict[int, tuple[float, float]]) -> int | None:
 
 
 def crossing(step_seconds: dict[int, tuple[float, float]]) -> int | None:
-    """The smallest row count from which W8A8 is at most WEIGHT_ONLY_MARGIN slower than weight-only at every
-    larger size timed too; None if it is slower by more at the largest."""
+    """The smallest row count from which W8A8 is at most `weight_only_margin` slower than weight-only at
+    every larger size timed too; None if it is slower by more at the largest."""
     rows = None
     for r in sorted(step_seconds, reverse=True):
         weight_only, w8a8 = step_seconds[r]
-        if w8a8 > weight_only * (1 + WEIGHT_ONLY_MARGIN):
+        if w8a8 > weight_only * (1 + weight_only_margin(r)):
             break
         rows = r
     return rows
+
+
+def weight_only_margin(rows: int) -> float:
+    """By how much weight-only steps of `rows` rows must beat W8A8 to run: WEIGHT_ONLY_MARGIN at 1 row, that
+    much more at each doubling, at most MAX_WEIGHT_ONLY_MARGIN."""
+    return min(WEIGHT_ONLY_MARGIN * rows.bit_length(), MAX_WEIGHT_ONLY_MARGIN)
 
 
 def rows_to_load(choice: QuantChoice, timed: bool) -> int | None:

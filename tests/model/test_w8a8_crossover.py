@@ -23,6 +23,10 @@ from tests.reference import assert_only_near_ties, greedy_decode
     ({1: (1.0, 1.05), 2: (2.0, 2.1)}, 1),  # within the margin: W8A8 throughout (one kind of step)
     ({1: (1.0, 1.2), 2: (2.0, 2.1)}, 2),  # weight-only clearly faster at 1 row only
     ({1: (1.0, 1.2)}, None),
+    # the margin grows with the rows (10%, 20%, 30% at 1, 2, 4): a 4-row near-tie runs W8A8, not 8 rows more
+    ({1: (1.0, 1.5), 2: (2.0, 2.3), 4: (3.0, 3.8), 8: (5.0, 4.0)}, 2),
+    ({16: (1.0, 1.29)}, 16),  # 30% at most
+    ({16: (1.0, 1.31)}, None),
 ])
 def test_crossing_is_where_w8a8_is_within_the_margin_at_every_larger_size(seconds, rows):
     assert crossing(seconds) == rows
