@@ -37,6 +37,8 @@ from pipeline.source.formats import Source, open_source
 from pipeline.task import RowBuilder, RowTask, row_builder, row_task
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from pipeline.engine.batch_tuning import BatchChoice
     from pipeline.engine.engine import Engine
     from pipeline.model.cpu_kernels import CpuKernels
@@ -179,9 +181,31 @@ def _cached_crossover(cache: StartupCache | None, model_key: str | None) -> Call
     return measure
 
 
-def _pin_vector_isa(cfg: JobConfig, model: Any, cache: StartupCache | None) -> None:
+def _vector_isa_soon(cfg: JobConfig, options: dict[str, Any], cache: StartupCache | None) -> Future | None:
+    """torch.compile's check of the CPU's vector instructions (`_pin_vector_isa`), answered from `cache` after
+    the first start, started in a thread now where the engine may compile the layers (engine.compile not off,
+    one CPU rank, W8A8 steps loaded): on a first start its builds and child processes (3-4 s) run beside the
+    model's load instead of after it."""
+    w8a8 = options["quant"] == "w8a8" or (options["quant"] != "none" and options["w8a8_rows"] is not None)
+    if cache is None or cfg.engine.compile == "off" or on_cuda(cfg.engine.device) \
+            or options["tensor_parallel"] != 1 or not (w8a8 or cfg.engine.compile == "on"):
+        return None
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.model.layers import vector_isa_ok
+    from pipeline.model.llama import cpp_compiler
+    from pipeline.model.startup_cache import JSON_ENTRY
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="vector-isa")
+    soon = pool.submit(cache.fetch, cache.key("vector-isa", compiler=cpp_compiler()), vector_isa_ok, *JSON_ENTRY)
+    pool.shutdown(wait=False)  # its one thread ends with the check
+    return soon
+
+
+def _pin_vector_isa(cfg: JobConfig, model: Any, cache: StartupCache | None, soon: Future | None) -> None:
     """Where the engine will compile the layers, torch.compile's check of the CPU's vector instructions
-    (`pipeline.model.layers.pin_vector_isa`, ~3 s) answered from `cache` after the first start."""
+    (`pipeline.model.layers.pin_vector_isa`, 3-4 s) answered from `cache` after the first start, or by
+    `soon` (`_vector_isa_soon`) where it was started."""
     from pipeline.engine.engine import compile_layers_wanted
 
     if cache is None or not compile_layers_wanted(cfg.engine.compile, model, model.norm.weight.device):
@@ -190,7 +214,8 @@ def _pin_vector_isa(cfg: JobConfig, model: Any, cache: StartupCache | None) -> N
     from pipeline.model.llama import cpp_compiler
     from pipeline.model.startup_cache import JSON_ENTRY
 
-    pin_vector_isa(lambda: cache.fetch(cache.key("vector-isa", compiler=cpp_compiler()), vector_isa_ok, *JSON_ENTRY))
+    pin_vector_isa(soon.result if soon is not None else
+                   lambda: cache.fetch(cache.key("vector-isa", compiler=cpp_compiler()), vector_isa_ok, *JSON_ENTRY))
 
 
 def _draft_model(cfg: JobConfig, model_path: str, loaded: Any) -> Any:
@@ -596,6 +621,7 @@ def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], 
     measure = _measures_crossover(cfg, quant)
     options = _model_options(cfg, quant, measure)
     kv_dtype = str(options["kv_dtype"]).removeprefix("torch.")
+    soon = _vector_isa_soon(cfg, options, cache)
     try:
         sharded = resources.enter_context(open_model(model_path, **options, startup_cache=cache))
     except (OSError, ValueError, KeyError) as e:
@@ -608,7 +634,7 @@ def _load_model(cfg: JobConfig, model_path: str, types: dict[str, pa.DataType], 
                                                     _cached_crossover(cache, loaded.cache_key))
         options["w8a8_rows"] = quant.w8a8_rows
         log.info("model.quant=auto on this CPU: W8A8 from %s rows; %s", quant.w8a8_rows, crossover.describe())
-    _pin_vector_isa(cfg, loaded.model, cache)
+    _pin_vector_isa(cfg, loaded.model, cache, soon)
     try:
         engine = Engine(loaded, cfg.engine, sharded.make_runner, cfg.speculative,
                         _draft_model(cfg, model_path, loaded), cfg.lora)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 
 import fsspec
 import polars as pl
@@ -342,12 +343,22 @@ def test_a_second_auto_start_reads_what_the_first_derived(tmp_path, tiny_model_d
     from pipeline.model import startup_cache
 
     monkeypatch.setattr(startup_cache, "cpus_busy", lambda: False)  # a quiet machine: no timing is redone
+    from pipeline.model import layers
+
+    checked, check = [], layers.vector_isa_ok
+
+    def checked_in_its_thread() -> bool:  # started beside the model's load, not after it
+        checked.append(threading.current_thread().name)
+        return check()
+
+    monkeypatch.setattr(layers, "vector_isa_ok", checked_in_its_thread)
     first = run(job(*args, tmp_path / "out1", "model.quant=auto", cache, "output.token_ids=true"), stdout=io.StringIO())
+    assert len(checked) == 1 and checked[0].startswith("vector-isa")
 
     def refuse(*a, **k):
         raise AssertionError("a second start must read this from the startup cache")
 
-    from pipeline.model import layers, loader, w8a8_crossover, w8a8_gemm
+    from pipeline.model import loader, w8a8_crossover, w8a8_gemm
     from pipeline.perf import probe
 
     for module, name in [(probe, "probe"), (loader, "load_quantized"), (w8a8_gemm, "alternating_best"),
