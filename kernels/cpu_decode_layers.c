@@ -199,26 +199,26 @@ void lora_delta(const float *x, const float *y, float *out, const int64_t *slots
  * by 32 bfloat16 values of k (or of rank) into 16 float32 columns, where the float32 loops above multiply-add
  * 16 values an instruction. Inputs and projections are rounded to bfloat16, products and sums are float32 (the
  * deltas' error is bfloat16's, well inside the W8A8 products' they are added to). SmolLM2, 256 rows over 8
- * adapters of rank 16, Xeon AMX: see docs/performance.md. Tiles 0-2 are used, 16 rows x 64 bytes: the int8
+ * adapters of rank 16, Xeon AMX: see docs/performance.md. Tiles 0-5 are used, 16 rows x 64 bytes: the int8
  * GEMM's AMX configuration has them so (the gate_up hook runs inside it), else lora_tiles_begin loads one. */
 #define TILE 16 /* rows of a tile, and float32 columns of its sums */
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* Loads 16-row x 64-byte tiles 0-2 unless the thread's configuration has them; returns whether it loaded
+/* Loads 16-row x 64-byte tiles 0-5 unless the thread's configuration has them; returns whether it loaded
  * one (the caller releases it when done). */
 static int lora_tiles_begin(void)
 {
     struct tile_config c;
     _tile_storeconfig(&c);
     int ready = c.palette == 1;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 6; i++)
         ready &= c.rows[i] == TILE && c.colsb[i] == 64;
     if (ready)
         return 0;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 6; i++)
         c.rows[i] = TILE, c.colsb[i] = 64;
     _tile_loadconfig(&c);
     return 1;
@@ -231,6 +231,14 @@ static inline void to_bf16(const float *src, int64_t k, uint16_t *dst, int64_t k
         _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(load(src + c, lanes_left(k - c))));
 }
 
+/* Values a row of s->lora_x16 takes for l: its input, then its projections, in bfloat16 (each up to a
+ * multiple of 32). */
+static inline int64_t x16_stride(const struct linear *l)
+{
+    const int64_t kp = round_up(l->k, 32), rp = round_up(l->lora_rank, 32);
+    return kp > rp ? kp : rp;
+}
+
 /* Whether rows i < v before row i had slot slots[i] (its group's slot then already done). */
 static inline int slot_seen(const int64_t *slots, int64_t i)
 {
@@ -240,89 +248,185 @@ static inline int slot_seen(const int64_t *slots, int64_t i)
     return 0;
 }
 
+/* Three tiles of sums at once (0, 3, 4), tile 1 the row operand, B operands alternating between tiles 2 and
+ * 5: a tile pass's result is ready some 16 cycles after it starts, and a tile is loaded only after the pass
+ * before reads it, so one tile of sums a pass behind another waits out each pass in turn (240 cycles a
+ * 16 x 16 block of the expansion, measured, against ~60 with three). The tile numbers are immediates. */
+#define SUMS_TILES 3
+static inline void sums_zero(int i)
+{
+    if (i == 0)
+        _tile_zero(0);
+    else if (i == 1)
+        _tile_zero(3);
+    else
+        _tile_zero(4);
+}
+
+static inline void sums_load(int i, const void *p, int64_t stride)
+{
+    if (i == 0)
+        _tile_loadd(0, p, stride);
+    else if (i == 1)
+        _tile_loadd(3, p, stride);
+    else
+        _tile_loadd(4, p, stride);
+}
+
+static inline void sums_store(int i, void *p, int64_t stride)
+{
+    if (i == 0)
+        _tile_stored(0, p, stride);
+    else if (i == 1)
+        _tile_stored(3, p, stride);
+    else
+        _tile_stored(4, p, stride);
+}
+
+/* Sums tile i += tile 1 x the B operand at b (16 pairs of rows x 64 bytes), loaded into tile 2 or 5 by *turn. */
+static inline void sums_add(int i, const uint16_t *b, int *turn)
+{
+    if ((*turn ^= 1)) {
+        _tile_loadd(2, b, 64);
+        if (i == 0)
+            _tile_dpbf16ps(0, 1, 2);
+        else if (i == 1)
+            _tile_dpbf16ps(3, 1, 2);
+        else
+            _tile_dpbf16ps(4, 1, 2);
+    } else {
+        _tile_loadd(5, b, 64);
+        if (i == 0)
+            _tile_dpbf16ps(0, 1, 5);
+        else if (i == 1)
+            _tile_dpbf16ps(3, 1, 5);
+        else
+            _tile_dpbf16ps(4, 1, 5);
+    }
+}
+
 /* lora_project on tiles, for the rows g .. g + v - 1 (v <= 16): their inputs in bfloat16 (s->lora_x16, kp
- * apart), then for each slot among them and 16 ranks the tiles' sums over k, each row keeping its own slot's,
- * over its sx, in s->lora_t. Rows past v in the tile are whatever the buffer holds: their sums are dropped. */
+ * apart), then for each slot among them the tiles' sums over k, three blocks of 16 ranks at a time (one block:
+ * k's chunks of 32 dealt round the three tiles, then added), each row keeping its own slot's, over its sx;
+ * then the rows' projections in bfloat16 in place of their inputs (zeros for a row without a slot), where
+ * expand_tiles reads them. Rows past v in the tile are whatever the buffer holds: their sums are dropped. */
 static void project_tile(const struct linear *l, const struct step *s, const float *x, int64_t g, int64_t v)
 {
     const int64_t k = l->k, kp = round_up(k, 32), rank = l->lora_rank, blocks = (rank + 15) / 16;
-    const int64_t *slots = s->lora_slots + g;
-    uint16_t *xb = s->lora_x16 + g * kp;
+    const int64_t *slots = s->lora_slots + g, ld = x16_stride(l);
+    uint16_t *xb = s->lora_x16 + g * ld;
     for (int64_t i = 0; i < v; i++)
         if (slots[i] >= 0)
-            to_bf16(x + (g + i) * k, k, xb + i * kp, kp);
-    float sums[TILE * TILE];
+            to_bf16(x + (g + i) * k, k, xb + i * ld, kp);
+    float sums[SUMS_TILES][TILE * TILE], t[TILE * round_up(rank, 16)];
+    int turn = 0;
     for (int64_t i = 0; i < v; i++) {
         if (slots[i] < 0 || slot_seen(slots, i))
             continue;
         const int64_t slot = slots[i];
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint16_t *a = l->lora_a16 + (slot * blocks + b) * kp * 16;
-            _tile_zero(0);
+        for (int64_t b0 = 0; b0 < blocks; b0 += SUMS_TILES) {
+            const int n = blocks - b0 < SUMS_TILES ? (int)(blocks - b0) : SUMS_TILES, split = n == 1;
+            const int used = split ? SUMS_TILES : n;
+            for (int q = 0; q < used; q++)
+                sums_zero(q);
             for (int64_t c = 0; c < kp; c += 32) {
-                _tile_loadd(1, xb + c, kp * 2);
-                _tile_loadd(2, a + c * 16, 64);
-                _tile_dpbf16ps(0, 1, 2);
+                _tile_loadd(1, xb + c, ld * 2);
+                for (int q = 0; q < n; q++)
+                    sums_add(split ? (int)(c / 32 % SUMS_TILES) : q,
+                             l->lora_a16 + ((slot * blocks + b0 + q) * kp + c) * 16, &turn);
             }
-            _tile_stored(0, sums, 64);
-            const __mmask16 m = lanes(rank - b * 16);
-            for (int64_t r = i; r < v; r++)
-                if (slots[r] == slot)
-                    store(s->lora_t + (g + r) * s->lora_width + b * 16, m,
-                          _mm512_div_ps(load(sums + r * TILE, m), _mm512_set1_ps(s->sx[g + r])));
+            for (int q = 0; q < used; q++)
+                sums_store(q, sums[q], 64);
+            for (int q = 0; q < n; q++)
+                for (int64_t r = i; r < v; r++) {
+                    if (slots[r] != slot)
+                        continue;
+                    __m512 sum = load(sums[q] + r * TILE, 0xFFFF);
+                    if (split)
+                        sum = _mm512_add_ps(_mm512_add_ps(sum, load(sums[1] + r * TILE, 0xFFFF)),
+                                            load(sums[2] + r * TILE, 0xFFFF));
+                    store(t + r * blocks * 16 + (b0 + q) * 16, 0xFFFF, _mm512_div_ps(sum, _mm512_set1_ps(s->sx[g + r])));
+                }
         }
     }
+    for (int64_t r = 0; r < v; r++)
+        if (slots[r] >= 0)
+            to_bf16(t + r * blocks * 16, rank, xb + r * ld, round_up(rank, 32));
+        else
+            memset(xb + r * ld, 0, (size_t)round_up(rank, 32) * sizeof *xb);
 }
 
 /* add_deltas on tiles, for rows r0 .. r0 + rows - 1 of out (ld apart; any count) and columns c0 .. c0 + cols - 1
- * (c0 a multiple of 16): 16 rows at a time, for each slot among them its rows' projections in bfloat16 (the
- * other rows zero, adding nothing), times B^T's 16 columns at a time over the ranks of their band, summed
- * onto out in the tile (through a copy where the tile would pass the rows or columns). */
+ * (c0 a multiple of 16): 16 rows at a time, for each slot among them its rows' projections in bfloat16
+ * (project_tile's; the other rows zero, adding nothing), times B^T's columns three blocks of 16 at a time over
+ * the ranks of their bands, summed onto out in the tiles (through a copy where a tile would pass the rows or
+ * columns). */
 static void expand_tiles(const struct linear *l, const struct step *s, int64_t r0, int64_t rows, int64_t c0,
                          int64_t cols, float *out, int64_t ld)
 {
-    const int64_t rank = l->lora_rank, rp = round_up(rank, 32), col_blocks = (l->n + 15) / 16;
+    const int64_t rank = l->lora_rank, rp = round_up(rank, 32), col_blocks = (l->n + 15) / 16, xs = x16_stride(l);
+    const uint16_t *projections = s->lora_x16 + r0 * xs; /* project_tile's */
     const int loaded = lora_tiles_begin();
     uint16_t t[TILE * rp];
-    float copy[TILE * TILE];
+    float copy[SUMS_TILES][TILE * TILE];
+    int turn = 0;
     for (int64_t g = r0; g < r0 + rows; g += TILE) {
         const int64_t v = r0 + rows - g < TILE ? r0 + rows - g : TILE, *slots = s->lora_slots + g;
         for (int64_t i = 0; i < v; i++) {
             if (slots[i] < 0 || slot_seen(slots, i))
                 continue;
             const int64_t slot = slots[i];
-            for (int64_t r = 0; r < TILE; r++)
+            /* the projections' tile: in place where the group's rows run this slot or none, else a copy
+             * with the other slots' rows zero */
+            const uint16_t *tile = projections + (g - r0) * xs;
+            int64_t stride = xs;
+            for (int64_t r = 0; r < v && tile != t; r++)
+                if (slots[r] >= 0 && slots[r] != slot)
+                    tile = t, stride = rp;
+            for (int64_t r = 0; r < TILE && tile == t; r++) {
                 if (r < v && slots[r] == slot)
-                    to_bf16(s->lora_t + (g + r) * s->lora_width, rank, t + r * rp, rp);
+                    memcpy(t + r * rp, projections + (g - r0 + r) * xs, (size_t)rp * sizeof *t);
                 else
                     memset(t + r * rp, 0, (size_t)rp * sizeof *t);
+            }
             const uint16_t *b = l->lora_b16 + slot * col_blocks * rp * 16;
-            for (int64_t c = 0; c < cols; c += 16) {
-                const int64_t block = (c0 + c) / 16, w = cols - c < 16 ? cols - c : 16;
-                const int64_t lo = l->lora_band ? l->lora_band[2 * block] : 0;
-                const int64_t hi = l->lora_band ? l->lora_band[2 * block + 1] : rank;
-                if (hi <= lo)
-                    continue;
-                float *y = out + (g - r0) * ld + c;
-                const int whole = v == TILE && w == 16;
-                if (whole)
-                    _tile_loadd(0, y, ld * 4);
-                else {
-                    for (int64_t r = 0; r < TILE; r++)
-                        store(copy + r * TILE, 0xFFFF, r < v ? load(y + r * ld, lanes(w)) : _mm512_setzero_ps());
-                    _tile_loadd(0, copy, 64);
+            for (int64_t c = 0; c < cols; c += SUMS_TILES * 16) {
+                int64_t lo[SUMS_TILES], hi[SUMS_TILES], w[SUMS_TILES], first = rp, end = 0;
+                for (int q = 0; q < SUMS_TILES; q++) {
+                    const int64_t block = (c0 + c) / 16 + q;
+                    w[q] = cols - c - 16 * q < 16 ? cols - c - 16 * q : 16;
+                    lo[q] = w[q] <= 0 ? 0 : l->lora_band ? l->lora_band[2 * block] : 0;
+                    hi[q] = w[q] <= 0 ? 0 : l->lora_band ? l->lora_band[2 * block + 1] : rank;
+                    if (hi[q] <= lo[q])
+                        continue;
+                    float *y = out + (g - r0) * ld + c + 16 * q;
+                    if (v == TILE && w[q] == 16)
+                        sums_load(q, y, ld * 4);
+                    else {
+                        for (int64_t r = 0; r < TILE; r++)
+                            store(copy[q] + r * TILE, 0xFFFF, r < v ? load(y + r * ld, lanes(w[q])) : _mm512_setzero_ps());
+                        sums_load(q, copy[q], 64);
+                    }
+                    first = lo[q] / 32 * 32 < first ? lo[q] / 32 * 32 : first;
+                    end = hi[q] > end ? hi[q] : end;
                 }
-                for (int64_t j = lo / 32 * 32; j < hi; j += 32) {
-                    _tile_loadd(1, t + j, rp * 2);
-                    _tile_loadd(2, b + (block * rp + j) * 16, 64);
-                    _tile_dpbf16ps(0, 1, 2);
+                for (int64_t j = first; j < end; j += 32) {
+                    _tile_loadd(1, tile + j, stride * 2);
+                    for (int q = 0; q < SUMS_TILES; q++)
+                        if (j < hi[q] && j + 32 > lo[q])
+                            sums_add(q, b + (((c0 + c) / 16 + q) * rp + j) * 16, &turn);
                 }
-                if (whole)
-                    _tile_stored(0, y, ld * 4);
-                else {
-                    _tile_stored(0, copy, 64);
-                    for (int64_t r = 0; r < v; r++)
-                        store(y + r * ld, lanes(w), load(copy + r * TILE, lanes(w)));
+                for (int q = 0; q < SUMS_TILES; q++) {
+                    if (hi[q] <= lo[q])
+                        continue;
+                    float *y = out + (g - r0) * ld + c + 16 * q;
+                    if (v == TILE && w[q] == 16)
+                        sums_store(q, y, ld * 4);
+                    else {
+                        sums_store(q, copy[q], 64);
+                        for (int64_t r = 0; r < v; r++)
+                            store(y + r * ld, lanes(w[q]), load(copy[q] + r * TILE, lanes(w[q])));
+                    }
                 }
             }
         }
@@ -693,8 +797,8 @@ static struct step rows_of(const struct step *s, int64_t lo, int64_t hi)
     t.gate_up += lo * 2 * s->intermediate, t.proj += lo * s->hidden;
     if (t.lora_slots)
         t.lora_slots += lo, t.lora_t += lo * s->lora_width;
-    if (t.lora_x16)
-        t.lora_x16 += lo * ((widest + 31) / 32 * 32);
+    if (t.lora_x16) /* lora_x16_values in cpu_decode_layers.py */
+        t.lora_x16 += lo * (((widest > s->lora_width ? widest : s->lora_width) + 31) / 32 * 32);
     return t;
 }
 

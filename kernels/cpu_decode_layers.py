@@ -108,10 +108,11 @@ def lora_tiles() -> bool:
     return not isinstance(library, str) and bool(library.lora_tiles_available())
 
 
-def lora_x16_values(rows: int, widest: int) -> int:
-    """bfloat16 values of `Step.lora_x16` for `rows` rows whose widest linear input is `widest`: each row's
-    input up to a multiple of 32, and 16 rows more (a tile of the last rows reads 16 rows)."""
-    return (rows + 16) * -(-widest // 32) * 32
+def lora_x16_values(rows: int, widest: int, lora_width: int) -> int:
+    """bfloat16 values of `Step.lora_x16` for `rows` rows whose widest linear input is `widest` and widest
+    LoRA stack `lora_width`: each row's input, then its projections, up to a multiple of 32, and 16 rows more
+    (a tile of the last rows reads 16 rows)."""
+    return (rows + 16) * -(-max(widest, lora_width) // 32) * 32
 
 
 def pack_tiles(t: torch.Tensor) -> torch.Tensor:

@@ -114,8 +114,8 @@ struct step {
     float *sx, *tmp, *qkv, *q, *attn, *gate_up, *proj;
     /* each row's LoRA adapter slot (-1: the base model), NULL when no row has one; scratch for each row's
      * rank-space projection (lora_t, lora_width floats a row: the widest lora_rank) and, where the pairs are
-     * in bfloat16, for each row's input in bfloat16 (lora_x16: widest input up to a multiple of 32 a row, and
-     * 16 rows more) */
+     * in bfloat16, for each row's input, then its projections, in bfloat16 (lora_x16: the widest input or
+     * lora_width up to a multiple of 32 a row, and 16 rows more) */
     const int64_t *lora_slots;
     float *lora_t;
     int64_t lora_width;

@@ -220,7 +220,7 @@ class NativeDecodeLayers:
                  "attn": t * step.heads * step.head_dim, "gate_up": t * first.gate_up.n, "proj": t * step.hidden,
                  "sx": t, "u": -(-t * widest // 4),  # u: uint8, in float32 units
                  "lora_t": t * step.lora_width,  # lora_x16: bfloat16, in float32 units
-                 "lora_x16": -(-cpu_decode_layers.lora_x16_values(t, widest) // 2) if self.lora_tiles and step.lora_width else 0}
+                 "lora_x16": -(-cpu_decode_layers.lora_x16_values(t, widest, step.lora_width) // 2) if self.lora_tiles and step.lora_width else 0}
         total = sum(-(-n // 16) * 16 for n in sizes.values())  # each buffer 64-byte aligned
         if self._scratch.numel() < total:
             self._scratch = torch.empty(total, dtype=torch.float32)
