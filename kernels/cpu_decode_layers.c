@@ -239,6 +239,13 @@ static inline int64_t x16_stride(const struct linear *l)
     return kp > rp ? kp : rp;
 }
 
+/* Fetches `bytes` from p into the caches ahead of the tile loads that read them. */
+static inline void prefetch(const void *p, int64_t bytes)
+{
+    for (int64_t i = 0; i < bytes; i += 64)
+        _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
 /* Whether rows i < v before row i had slot slots[i] (its group's slot then already done). */
 static inline int slot_seen(const int64_t *slots, int64_t i)
 {
@@ -364,7 +371,8 @@ static void project_tile(const struct linear *l, const struct step *s, const flo
 static void expand_tiles(const struct linear *l, const struct step *s, int64_t r0, int64_t rows, int64_t c0,
                          int64_t cols, float *out, int64_t ld)
 {
-    const int64_t rank = l->lora_rank, rp = round_up(rank, 32), col_blocks = (l->n + 15) / 16, xs = x16_stride(l);
+    const int64_t rank = l->lora_rank, rp = round_up(rank, 32), bp = round_up(rank, 16), col_blocks = (l->n + 15) / 16;
+    const int64_t xs = x16_stride(l);
     const uint16_t *projections = s->lora_x16 + r0 * xs; /* project_tile's */
     const int loaded = lora_tiles_begin();
     uint16_t t[TILE * rp];
@@ -389,8 +397,10 @@ static void expand_tiles(const struct linear *l, const struct step *s, int64_t r
                 else
                     memset(t + r * rp, 0, (size_t)rp * sizeof *t);
             }
-            const uint16_t *b = l->lora_b16 + slot * col_blocks * rp * 16;
+            const uint16_t *b = l->lora_b16 + slot * col_blocks * bp * 16;
             for (int64_t c = 0; c < cols; c += SUMS_TILES * 16) {
+                if (c + SUMS_TILES * 16 < cols) /* the next columns' B^T, while these are summed */
+                    prefetch(b + ((c0 + c) / 16 + SUMS_TILES) * bp * 16, SUMS_TILES * bp * 32);
                 int64_t lo[SUMS_TILES], hi[SUMS_TILES], w[SUMS_TILES], first = rp, end = 0;
                 for (int q = 0; q < SUMS_TILES; q++) {
                     const int64_t block = (c0 + c) / 16 + q;
@@ -414,7 +424,7 @@ static void expand_tiles(const struct linear *l, const struct step *s, int64_t r
                     _tile_loadd(1, tile + j, stride * 2);
                     for (int q = 0; q < SUMS_TILES; q++)
                         if (j < hi[q] && j + 32 > lo[q])
-                            sums_add(q, b + (((c0 + c) / 16 + q) * rp + j) * 16, &turn);
+                            sums_add(q, b + (((c0 + c) / 16 + q) * bp + j) * 16, &turn);
                 }
                 for (int q = 0; q < SUMS_TILES; q++) {
                     if (hi[q] <= lo[q])
@@ -431,6 +441,12 @@ static void expand_tiles(const struct linear *l, const struct step *s, int64_t r
             }
         }
     }
+    /* the next rows' B^T for the first of these columns where their slot is another: the gate_up GEMM calls
+     * next with them (rows run in adapter order, each slot's B^T met cold after another row tile's) */
+    const int64_t next = r0 + rows;
+    if (next < s->rows && s->lora_slots[next] >= 0 && s->lora_slots[next] != s->lora_slots[next - 1])
+        prefetch(l->lora_b16 + (s->lora_slots[next] * col_blocks + c0 / 16) * bp * 16,
+                 (cols < SUMS_TILES * 16 ? (cols + 15) / 16 : SUMS_TILES) * bp * 32);
     if (loaded)
         _tile_release();
 }

@@ -115,12 +115,13 @@ def lora_x16_values(rows: int, widest: int, lora_width: int) -> int:
     return (rows + 16) * -(-max(widest, lora_width) // 32) * 32
 
 
-def pack_tiles(t: torch.Tensor) -> torch.Tensor:
+def pack_tiles(t: torch.Tensor, k_multiple: int) -> torch.Tensor:
     """[slots, K, C] float as AMX's bfloat16 B operand: [slots, ceil(C / 16), Kp / 2, 16, 2] with K padded with
-    zeros to Kp, a multiple of 32, and C to a multiple of 16 (each 16 columns' values, pairs of rows side by
-    side): `Linear.lora_a16` from A^T, `lora_b16` from B^T."""
+    zeros to Kp, a multiple of `k_multiple`, and C to a multiple of 16 (each 16 columns' values, pairs of rows
+    side by side): `Linear.lora_a16` from A^T (k_multiple 32, a tile's depth), `lora_b16` from B^T (16: a
+    rank-16 adapter's B^T in half the bytes; the caller adds a tile of zeros at the end)."""
     slots, k, c = t.shape
-    kp, cp = -(-k // 32) * 32, -(-c // 16) * 16
+    kp, cp = -(-k // k_multiple) * k_multiple, -(-c // 16) * 16
     t = torch.nn.functional.pad(t, (0, cp - c, 0, kp - k))
     return t.view(slots, kp // 2, 2, cp // 16, 16).permute(0, 3, 1, 4, 2).to(torch.bfloat16).contiguous()
 

@@ -77,8 +77,10 @@ int paged_integer_scores(void);
  * which every slot's B^T is zero there (a fused linear's B is block-diagonal: each part's columns take only
  * its own ranks), NULL: all ranks. lora_a16 and lora_b16 (NULL: the float32 pairs' loops): the same pairs in
  * bfloat16 as AMX's B operand, for the deltas' tiles: A^T / smooth [slots, ceil(lora_rank / 16), kp / 2, 16, 2]
- * (kp: k up to a multiple of 32, zeros past k) and B^T [slots, ceil(n / 16), rp / 2, 16, 2] (rp: lora_rank up
- * to a multiple of 32), each 16 columns' values with pairs of rows side by side. */
+ * (kp: k up to a multiple of 32, zeros past k) and B^T [slots, ceil(n / 16), bp / 2, 16, 2] (bp: lora_rank up
+ * to a multiple of 16, and one tile's 512 values more at the end), each 16 columns' values with pairs of rows
+ * side by side. A tile of B^T takes 32 ranks: past bp it reads the next columns' (or the end's zeros), which
+ * meet the projections' zeros there. */
 struct linear {
     const int8_t *panels;
     const int32_t *correction;

@@ -101,6 +101,22 @@ class AdapterManager:
             raise found
         return value
 
+    def preload(self) -> None:
+        """Load the configured adapters (`model.lora.adapters`, in order, as many as there are slots) before any
+        row asks: the first steps then run at once rather than reading files, and the job counts the reads in
+        its load. A slot filled here is evictable like any other; an adapter that cannot run is left to its
+        rows' errors."""
+        for name in list(self.config.adapters)[: self.config.max_loaded]:
+            try:
+                self.resolve(name)
+            except AdapterError:
+                continue
+            slot = self._free_slot()
+            self.load(slot, str(self._folders[name]), self.config.max_loaded)
+            self.loads += 1
+            self._slot_of[name] = slot
+            self._lru[slot] = name
+
     def acquire(self, seq: Sequence) -> bool:
         """Give seq its adapter's slot (loading the adapter where needed); False when every slot is held."""
         if seq.adapter is None:

@@ -129,6 +129,8 @@ class Engine:
         else:
             self.runner = make_runner(self.model, num_blocks, config.block_size, self.device)
         self.adapters = AdapterManager(lora, self.model_config, self.runner.load_adapter) if lora else None
+        if self.adapters is not None:
+            self.adapters.preload()
         self.scheduler.adapters = self.adapters
         self.speculative = speculative or SpeculativeConfig()
         self.proposer = make_proposer(self.speculative, draft_model, self.model_config.vocab_size, num_blocks,

@@ -202,7 +202,8 @@ class NativeDecodeLayers:
                     a, band = smoothed_a(a, module.w8a8_smooth), rank_bands(b)
                     held += [a, band]
                     if self.lora_tiles:
-                        tiles = cpu_decode_layers.pack_tiles(a), cpu_decode_layers.pack_tiles(b)
+                        b16 = cpu_decode_layers.pack_tiles(b, 16).flatten()  # and a tile's 512 zeros past it
+                        tiles = cpu_decode_layers.pack_tiles(a, 32), torch.nn.functional.pad(b16, (0, 512))
                         held += tiles
                 linear.lora_a, linear.lora_b = _address(a), _address(b)
                 linear.lora_band = None if a is None else band.data_ptr()

@@ -98,6 +98,20 @@ def test_fewer_slots_than_adapters_evicts_and_reloads(tiny_model_dir, adapters, 
     assert engine.adapters.evictions >= 2 and engine.adapters.loads == engine.adapters.evictions + 1
 
 
+def test_configured_adapters_are_resident_before_the_first_row(tiny_model_dir, adapters):
+    """The job's own adapters (model.lora.adapters) load as the engine is made, as many as there are slots:
+    rows naming them load nothing more; another adapter's rows load it in the least recently used slot."""
+    names = list(adapters)
+    lora = LoraConfig({name: str(adapters[name]) for name in names}, max_loaded=2)
+    engine = Engine(load_model(tiny_model_dir), EngineConfig(kv_cache_memory="16MiB"), lora=lora)
+    assert (engine.adapters.loads, engine.adapters.evictions) == (2, 0)
+    sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+    list(engine.generate([Request(i, [5, 6, 7], sampling, adapter=name) for i, name in enumerate(names[:2])]))
+    assert (engine.adapters.loads, engine.adapters.evictions) == (2, 0)
+    (result,) = engine.generate([Request("third", [5, 6, 7], sampling, adapter=names[2])])
+    assert result.finish_reason == "length" and (engine.adapters.loads, engine.adapters.evictions) == (3, 1)
+
+
 def test_bad_adapters_are_error_results(tiny_model_dir, adapters, tmp_path):
     """A row naming an unknown adapter, or one the model cannot take, gets an error result; the others run."""
     vocab = make_adapter(tiny_model_dir, tmp_path / "vocab", 4, ["q_proj"], modules_to_save=["lm_head"])

@@ -91,11 +91,12 @@ def test_the_kernels_that_need_avx512_say_so_in_a_build_without_it(build):
 
 def test_lora_tiles_hold_pairs_of_rows_side_by_side_for_each_16_columns():
     """`pack_tiles` against its definition: tile [s, block, p, j, e] is t[s, 2p + e, 16 block + j] in bfloat16,
-    zero past the rows (K up to a multiple of 32) and columns (C up to a multiple of 16)."""
+    zero past the rows (K up to the multiple asked for) and columns (C up to a multiple of 16)."""
     t = torch.randn(3, 37, 21)
-    tiles = cpu_decode_layers.pack_tiles(t)
-    assert tiles.shape == (3, 2, 32, 16, 2) and tiles.dtype == torch.bfloat16
-    for s, block, p, j, e in itertools.product(range(3), range(2), range(32), range(16), range(2)):
-        row, column = 2 * p + e, 16 * block + j
-        value = t[s, row, column].bfloat16() if row < 37 and column < 21 else torch.tensor(0, dtype=torch.bfloat16)
-        assert tiles[s, block, p, j, e] == value, (s, block, p, j, e)
+    for multiple, depth in ((32, 64), (16, 48)):
+        tiles = cpu_decode_layers.pack_tiles(t, multiple)
+        assert tiles.shape == (3, 2, depth // 2, 16, 2) and tiles.dtype == torch.bfloat16
+        for s, block, p, j, e in itertools.product(range(3), range(2), range(depth // 2), range(16), range(2)):
+            row, column = 2 * p + e, 16 * block + j
+            value = t[s, row, column] if row < 37 and column < 21 else torch.tensor(0.0)
+            assert tiles[s, block, p, j, e] == value.bfloat16(), (multiple, s, block, p, j, e)
