@@ -13,10 +13,10 @@ operations per linear, not a pair per adapter (small matmuls are mostly call ove
 A step binds its `LoraStep` for the length of a forward pass (`bound_lora`), as attention binds its backend;
 `ParallelLinear.forward` calls `add_lora` after its base product. Outside such a step it returns the base
 output untouched, so base-only steps (compiled graphs, CUDA graphs) never see it. On a CPU whose build has
-the native decoder layers, a linear's deltas are one native pass over its rows (`cpu_decode_layers.lora_delta`:
-torch's gather, batched matmuls and scatter-add passed over the activations several times, 0.44x the base
-model's tokens per second at 256 rows); the native W8A8 decoder layers (`pipeline.model.native_decode`) add
-the same deltas inside their own loops.
+the native decoder layers, a linear's deltas are one native pass over its rows (`cpu_decode_layers.lora_delta`,
+where torch's gather, batched matmuls and scatter-add passed over the activations several times); the native
+W8A8 decoder layers (`pipeline.model.native_decode`) add the same deltas inside their own loops (on AMX's
+bfloat16 tiles where the CPU has them).
 
 On CUDA (where Triton imports) a linear's deltas are two Triton launches for all of the step's adapters
 (`kernels.triton_lora`, SGMV shrink then expand): the runs are cut into 16-row tiles of one slot once per
