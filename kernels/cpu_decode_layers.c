@@ -260,56 +260,47 @@ static inline int slot_seen(const int64_t *slots, int64_t i)
  * before reads it, so one tile of sums a pass behind another waits out each pass in turn (240 cycles a
  * 16 x 16 block of the expansion, measured, against ~60 with three). The tile numbers are immediates. */
 #define SUMS_TILES 3
-static inline void sums_zero(int i)
-{
-    if (i == 0)
-        _tile_zero(0);
-    else if (i == 1)
-        _tile_zero(3);
-    else
-        _tile_zero(4);
-}
+/* op(t) on sums tile i: tile 0, 3 or 4 (tile numbers are immediates). */
+#define ON_SUMS(i, op)                                                                                                 \
+    do {                                                                                                               \
+        if ((i) == 0)                                                                                                  \
+            op(0);                                                                                                     \
+        else if ((i) == 1)                                                                                             \
+            op(3);                                                                                                     \
+        else                                                                                                           \
+            op(4);                                                                                                     \
+    } while (0)
+
+static inline void sums_zero(int i) { ON_SUMS(i, _tile_zero); }
 
 static inline void sums_load(int i, const void *p, int64_t stride)
 {
-    if (i == 0)
-        _tile_loadd(0, p, stride);
-    else if (i == 1)
-        _tile_loadd(3, p, stride);
-    else
-        _tile_loadd(4, p, stride);
+#define LOAD(t) _tile_loadd(t, p, stride)
+    ON_SUMS(i, LOAD);
+#undef LOAD
 }
 
 static inline void sums_store(int i, void *p, int64_t stride)
 {
-    if (i == 0)
-        _tile_stored(0, p, stride);
-    else if (i == 1)
-        _tile_stored(3, p, stride);
-    else
-        _tile_stored(4, p, stride);
+#define STORE(t) _tile_stored(t, p, stride)
+    ON_SUMS(i, STORE);
+#undef STORE
 }
 
 /* Sums tile i += tile 1 x the B operand at b (16 pairs of rows x 64 bytes), loaded into tile 2 or 5 by *turn. */
 static inline void sums_add(int i, const uint16_t *b, int *turn)
 {
+#define FROM_2(t) _tile_dpbf16ps(t, 1, 2)
+#define FROM_5(t) _tile_dpbf16ps(t, 1, 5)
     if ((*turn ^= 1)) {
         _tile_loadd(2, b, 64);
-        if (i == 0)
-            _tile_dpbf16ps(0, 1, 2);
-        else if (i == 1)
-            _tile_dpbf16ps(3, 1, 2);
-        else
-            _tile_dpbf16ps(4, 1, 2);
+        ON_SUMS(i, FROM_2);
     } else {
         _tile_loadd(5, b, 64);
-        if (i == 0)
-            _tile_dpbf16ps(0, 1, 5);
-        else if (i == 1)
-            _tile_dpbf16ps(3, 1, 5);
-        else
-            _tile_dpbf16ps(4, 1, 5);
+        ON_SUMS(i, FROM_5);
     }
+#undef FROM_2
+#undef FROM_5
 }
 
 /* lora_project on tiles, for the rows g .. g + v - 1 (v <= 16): their inputs in bfloat16 (s->lora_x16, kp
