@@ -112,8 +112,11 @@ def weight_only_margin(rows: int) -> float:
 
 def rows_to_load(choice: QuantChoice, timed: bool) -> int | None:
     """The `w8a8_rows` auto loads its model with: the roofline's crossing; where the crossing will be timed,
-    W8A8 attached in any case (1 until `apply_measured_crossover` sets it): both layouts must be there."""
-    return (choice.w8a8_rows or 1) if timed else choice.w8a8_rows
+    W8A8 attached in any case from 1 row until `apply_measured_crossover` sets it: both layouts must be
+    there, and the model's startup-cache key (which holds the value) must not follow the probe's figures. A
+    warm start that probed again (the first start's probe timed on busy CPUs) moved the roofline's crossing,
+    and with it the key: the 1B shape's model was built again, 38.9 s."""
+    return 1 if timed else choice.w8a8_rows
 
 
 def apply_measured_crossover(choice: QuantChoice, model: torch.nn.Module, max_batch: int,

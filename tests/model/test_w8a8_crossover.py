@@ -223,3 +223,11 @@ def test_compiled_layers_run_w4a8_steps_as_eager_ones(tiny_model_dir):
     compiled.kernel_choice.clear()
     assert_only_near_ties(reference, {i: d.tokens for i, d in enumerate(greedy_decode(compiled, prompts, 6))})
     assert compiled.kernel_choice.steps["w4a8"] > 0
+
+
+def test_a_timed_start_loads_w8a8_from_one_row_whatever_the_roofline_says():
+    """Where the crossing will be timed, the model loads with W8A8 from 1 row (the timing then sets it), so its
+    startup-cache key does not follow the probe's figures; untimed, the roofline's crossing is loaded."""
+    choices = [QuantChoice("int4", rows, "int8", "roofline") for rows in (None, 3, 5)]
+    assert [w8a8_crossover.rows_to_load(c, timed=True) for c in choices] == [1, 1, 1]
+    assert [w8a8_crossover.rows_to_load(c, timed=False) for c in choices] == [None, 3, 5]
