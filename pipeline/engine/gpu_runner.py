@@ -323,7 +323,7 @@ class GpuRunner:
 
     def load_adapter(self, slot: int, path: str, slots: int) -> None:
         """Place the LoRA adapter at `path` in `slot` of the model's `slots` resident adapters."""
-        self.model.enable_lora(slots).load(slot, read_adapter(path, self.model.config))
+        self.model.load_adapter(slot, read_adapter(path, self.model.config), slots)
 
     def run(self, plan: StepPlan, device_flat: torch.Tensor, lora: LoraStep | None = None,
             block_tables: torch.Tensor | None = None) -> torch.Tensor:

@@ -457,7 +457,7 @@ class Runner:
     def load_adapter(self, slot: int, path: str, slots: int) -> None:
         """Place the LoRA adapter at `path` (a local folder, checked by the caller) in `slot` of the model's
         `slots` resident adapters."""
-        self.model.enable_lora(slots).load(slot, read_adapter(path, self.model.config))
+        self.model.load_adapter(slot, read_adapter(path, self.model.config), slots)
 
     def _sampling_hidden(self, batch: StepBatch) -> torch.Tensor:
         """The model's final hidden states of the rows whose logits the step wants."""

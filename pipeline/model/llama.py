@@ -32,6 +32,7 @@ from pipeline.model.layers import (
     compiled_copy,
 )
 from pipeline.model.lora.delta import LoraStep, bound_lora
+from pipeline.model.lora.peft_file import Adapter
 from pipeline.model.lora.table import LoraTable
 from pipeline.model.native_decode import NativeDecodeLayers, native_decode_layers
 
@@ -191,6 +192,14 @@ class LlamaModel(nn.Module):
         if self.lora is None:
             self.lora = LoraTable(self, slots)
         return self.lora
+
+    def load_adapter(self, slot: int, adapter: Adapter, slots: int) -> None:
+        """Place `adapter` in `slot` of `slots` resident ones; the native layers pack it now (an adapter's
+        first step then runs at once, and a load packs only its own slot)."""
+        table = self.enable_lora(slots)
+        table.load(slot, adapter)
+        if self.native_layers is not None:
+            self.native_layers.follow_lora(table)
 
     def use_native_layers(self) -> bool:
         """Run W8A8 steps' decoder layers in one native call (`pipeline.model.native_decode`) where this

@@ -95,17 +95,58 @@ def smoothed_a(a: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
     return a if smooth is None else (a / smooth[:, None]).contiguous()
 
 
-def rank_bands(b: torch.Tensor) -> torch.Tensor:
-    """int32 [ceil(out / 16), 2]: for each 16 columns of B^T stacked [slots, R, out], the ranks [lo, hi) outside
-    which every slot's B^T is zero there (empty: [0, 0]). A fused linear's B is block-diagonal (each part's
+def column_ranks(b: torch.Tensor) -> torch.Tensor:
+    """bool [slots, R, ceil(out / 16)]: whether each slot's B^T [slots, R, out] has a nonzero at a rank in each
+    16 columns (a slot's part of `rank_bands`, kept so that loading one slot reads only its own B^T)."""
+    used = b != 0
+    return torch.nn.functional.pad(used, (0, -used.shape[2] % 16)).view(*used.shape[:2], -1, 16).any(-1)
+
+
+def rank_bands(used: torch.Tensor) -> torch.Tensor:
+    """int32 [ceil(out / 16), 2]: for each 16 columns of B^T, the ranks [lo, hi) outside which every slot's
+    B^T is zero there (empty: [0, 0]), from `column_ranks`. A fused linear's B is block-diagonal (each part's
     columns take only its ranks: `pipeline.model.lora.table.linear_pair`), so its deltas skip half or more
     of the rank-space multiply-adds."""
-    used = (b != 0).any(0)  # [R, out]
-    used = torch.nn.functional.pad(used, (0, -used.shape[1] % 16)).view(used.shape[0], -1, 16).any(-1)  # [R, V]
+    used = used.any(0)  # [R, V]
     ranks = torch.arange(used.shape[0])[:, None]
     hi = torch.where(used, ranks + 1, 0).amax(0)
     lo = torch.minimum(torch.where(used, ranks, used.shape[0]).amin(0), hi)
     return torch.stack([lo, hi], 1).to(torch.int32).contiguous()
+
+
+class LoraStacks:
+    """One linear's resident adapters as the native layers read them, made from the table's stacks `a` / `b`:
+    A^T folded by the smoothing vector, B^T's bands, and (`tiles`) both as AMX's bfloat16 tiles. Refilled a slot
+    at a time as adapters load, so that loading one adapter packs only its own pairs."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, smooth: torch.Tensor | None, tiles: bool):
+        self.a, self.b, self.smooth = a, b, smooth  # the table's stacks, refilled in place slot by slot
+        self.smoothed = smoothed_a(a, smooth)
+        self.used = column_ranks(b)
+        self.band = rank_bands(self.used)
+        self.a16 = self.b16 = None
+        if tiles:
+            self.a16 = cpu_decode_layers.pack_tiles(self.smoothed, 32)
+            b16 = cpu_decode_layers.pack_tiles(b, 16).flatten()
+            self.b16 = torch.nn.functional.pad(b16, (0, 512))  # a tile's 512 zeros past the last slot's
+
+    def refill(self, slot: int) -> None:
+        """Pack slot `slot` again from the table's stacks (after a load placed a new adapter there)."""
+        one = slice(slot, slot + 1)
+        if self.smoothed is not self.a:
+            self.smoothed[one] = smoothed_a(self.a[one], self.smooth)
+        self.used[one] = column_ranks(self.b[one])
+        self.band.copy_(rank_bands(self.used))
+        if self.a16 is not None:
+            self.a16[one] = cpu_decode_layers.pack_tiles(self.smoothed[one], 32)
+            self.b16[:-512].view(self.a.shape[0], -1)[slot] = cpu_decode_layers.pack_tiles(self.b[one], 16).flatten()
+
+    def point(self, linear: Linear) -> None:
+        """Fill `linear`'s LoRA fields with these stacks' addresses."""
+        linear.lora_a, linear.lora_b = _address(self.smoothed), _address(self.b)
+        linear.lora_band, linear.lora_rank = self.band.data_ptr(), self.a.shape[2]
+        linear.lora_a16 = None if self.a16 is None else self.a16.data_ptr()
+        linear.lora_b16 = None if self.b16 is None else self.b16.data_ptr()
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -145,9 +186,9 @@ class NativeDecodeLayers:
         self.gemm = function_address(vnni_gemm.library().int8_gemm)
         self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu_hooked)
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
-        self._lora_version = -1  # the LoRA table's version whose stacks the layers hold
+        self._lora_version = 0  # the LoRA table's loads whose adapters the layers' stacks hold
         self._lora_width = 0
-        self._lora_held: list[torch.Tensor] = []  # the folded A stacks, bands and tiles the layers point at
+        self._lora_stacks: dict[int, LoraStacks] = {}  # by linear's lora_id: what the layers point at
         self.lora_tiles = cpu_decode_layers.lora_tiles()  # the deltas on AMX's bfloat16 tiles
         self._scratch = torch.empty(0)
 
@@ -185,31 +226,28 @@ class NativeDecodeLayers:
 
     def _lora_slots(self, lora: LoraStep, t: int) -> torch.Tensor:
         """Each of the step's T rows' adapter slot (-1: base), the layers' LoRA stacks brought up to date."""
-        table: LoraTable = self.model.lora
-        if table.version != self._lora_version:
-            self._point_at_lora(table)
+        self.follow_lora(self.model.lora)
         return torch.nn.functional.pad(lora.row_slots, (0, t - lora.row_slots.shape[0]), value=-1)
 
-    def _point_at_lora(self, table: LoraTable) -> None:
-        """The table's stacks are replaced where a load widens them, and their values change with each load:
-        after each, fold A by the smoothing vectors again and find B's bands."""
-        held = []
+    def follow_lora(self, table: LoraTable) -> None:
+        """Bring the layers' adapter stacks up to the table's loads: the slots loaded since are packed again,
+        a linear whose stacks a load replaced (widened to a higher rank) is packed whole. The model calls this
+        as each adapter loads, so that no step packs adapters."""
+        if table.version == self._lora_version:
+            return
+        loaded = set(table.loaded_slots[self._lora_version:])
         for entry, layer in zip(self.layers, self.model.layers):
             for linear, module in zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer)):
                 a, b = table.a[module.lora_id], table.b[module.lora_id]
-                tiles = None
-                if a is not None:
-                    a, band = smoothed_a(a, module.w8a8_smooth), rank_bands(b)
-                    held += [a, band]
-                    if self.lora_tiles:
-                        b16 = cpu_decode_layers.pack_tiles(b, 16).flatten()  # and a tile's 512 zeros past it
-                        tiles = cpu_decode_layers.pack_tiles(a, 32), torch.nn.functional.pad(b16, (0, 512))
-                        held += tiles
-                linear.lora_a, linear.lora_b = _address(a), _address(b)
-                linear.lora_band = None if a is None else band.data_ptr()
-                linear.lora_rank = 0 if a is None else a.shape[2]
-                linear.lora_a16, linear.lora_b16 = (None, None) if tiles is None else (t.data_ptr() for t in tiles)
-        self._lora_held = held
+                stacks = self._lora_stacks.get(module.lora_id)
+                if a is None:
+                    continue  # no slot's adapter has targeted this linear yet
+                if stacks is None or stacks.a is not a:
+                    stacks = self._lora_stacks[module.lora_id] = LoraStacks(a, b, module.w8a8_smooth, self.lora_tiles)
+                else:
+                    for slot in loaded:
+                        stacks.refill(slot)
+                stacks.point(linear)
         self._lora_width = max((a.shape[2] for a in table.a if a is not None), default=0)
         self._lora_version = table.version
 

@@ -18,7 +18,14 @@ from pipeline.model import llama as llama_module
 from pipeline.model.llama import LlamaModel
 from pipeline.model.loader import load_model
 from pipeline.model.lora.delta import LoraStep
-from pipeline.model.native_decode import _linears, native_decode_reason, rank_bands, smoothed_a
+from pipeline.model.native_decode import (
+    LoraStacks,
+    _linears,
+    column_ranks,
+    native_decode_reason,
+    rank_bands,
+    smoothed_a,
+)
 from pipeline.model.w8a8_gemm import NATIVE, PLAIN
 from tests.lora_adapters import make_adapter, make_adapters
 from tests.model.gemm_script import script_gemm_choice
@@ -344,7 +351,26 @@ def test_rank_bands_bound_each_16_columns_nonzero_ranks_over_every_slot():
     b[0, 0:4, 0:32], b[0, 4:8, 32:56] = 1.0, -2.0
     b[2, 0:3, 0:32], b[2, 8:12, 32:56] = 0.5, 3.0  # slot 1 targets nothing
     expected = [[0, 4], [0, 4], [4, 12], [4, 12], [0, 0]]
-    assert rank_bands(b).tolist() == expected and rank_bands(b).dtype == torch.int32
+    bands = rank_bands(column_ranks(b))
+    assert bands.tolist() == expected and bands.dtype == torch.int32
+
+
+def test_lora_stacks_refilled_a_slot_at_a_time_equal_stacks_packed_whole():
+    """A load packs only its slot (`LoraStacks.refill`): after slot 1 takes a new adapter of another shape of
+    B^T (other columns zero, so other bands), every packed form equals one made from the whole stacks."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 40, 16, generator=gen), torch.randn(3, 16, 72, generator=gen)
+    b[:, 8:, :32] = 0.0
+    smooth = torch.rand(40, generator=gen) + 0.1
+    stacks = LoraStacks(a, b, smooth, tiles=True)
+    a[1] = torch.randn(40, 16, generator=gen)
+    b[1] = torch.randn(16, 72, generator=gen)
+    b[1, :4] = 0.0
+    stacks.refill(1)
+    whole = LoraStacks(a, b, smooth, tiles=True)
+    for name in ("smoothed", "used", "band", "a16", "b16"):
+        assert torch.equal(getattr(stacks, name), getattr(whole, name)), name
+    assert not torch.equal(whole.band, LoraStacks(a[[0, 2]], b[[0, 2]], smooth, tiles=False).band)
 
 
 def test_smoothed_a_projects_the_smoothed_input_as_a_projects_the_input():

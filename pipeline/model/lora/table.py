@@ -72,7 +72,7 @@ class LoraTable:
         self.a: list[torch.Tensor | None] = [None] * len(self.linears)
         self.b: list[torch.Tensor | None] = [None] * len(self.linears)
         self.ranks: list[list[int]] = [[0] * slots for _ in self.linears]
-        self.version = 0  # loads so far: a stack may be a new tensor after one (the native layers re-read them)
+        self.loaded_slots: list[int] = []  # the slot of each load so far (the native layers pack those since theirs)
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Place `adapter` in `slot` (whatever was there is dropped)."""
@@ -86,7 +86,12 @@ class LoraTable:
                 parts = grouped.get((i, name))
                 pair = linear_pair(linear, parts, adapter.scale, dtype, device) if parts else None
                 self._place(linear.lora_id, slot, pair)
-        self.version += 1
+        self.loaded_slots.append(slot)
+
+    @property
+    def version(self) -> int:
+        """Loads so far: a stack may be a new tensor after one (widened), and a slot's values change."""
+        return len(self.loaded_slots)
 
     def _place(self, lora_id: int, slot: int, pair: Pair | None) -> None:
         """Write `pair` (None: nothing) into the stacks of linear `lora_id`, widening them to its rank."""
