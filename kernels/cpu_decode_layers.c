@@ -494,33 +494,14 @@ static void add_deltas(const struct linear *l, const struct step *s, int64_t r0,
     }
 }
 
-/* The LoRA deltas of the rows that run an adapter on l added to the GEMM's products out [rows, n]. */
-static void lora_add(const struct linear *l, const struct step *s, float *out)
-{
-    if (!l->lora_a || !s->lora_slots)
-        return;
-    const int64_t n = l->n;
-#ifdef HAVE_LORA_TILES
-    if (l->lora_a16) {
-#pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
-        for (int64_t g = 0; g < s->rows; g += TILE)
-            expand_tiles(l, s, g, s->rows - g < TILE ? s->rows - g : TILE, 0, n, out + g * n, n);
-        return;
-    }
-#endif
-#pragma omp parallel for if (s->rows * n >= PARALLEL_MIN)
-    for (int64_t lo = 0; lo < s->rows; lo += LORA_ROWS)
-        add_deltas(l, s, lo, lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows, 0, n, out + lo * n, n);
-}
-
 /* What lora_tile reads: the linear and the step. */
 struct lora_context {
     const struct linear *l;
     const struct step *s;
 };
 
-/* The fused gate_up + SiLU GEMM's tile hook (tile_hook_fn): the tile's LoRA deltas, added to its products
- * before the SiLU as lora_add adds them to the stored ones, so that adapter rows keep the fused entry. */
+/* The GEMMs' tile hook (tile_hook_fn): the tile's LoRA deltas added to its products as they are stored (the
+ * fused gate_up + SiLU GEMM's before the SiLU, so that adapter rows keep the fused entry). */
 static void lora_tile(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile, int64_t ld)
 {
     const struct lora_context *c = context;
@@ -678,13 +659,13 @@ static inline double now(void)
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* out [rows, n] = the GEMM's products of the quantized input in s->u, plus the rows' LoRA deltas. */
+/* out [rows, n] = the GEMM's products of the quantized input in s->u, plus the rows' LoRA deltas (added to
+ * the GEMM's tiles as they are stored, while in L1). */
 static inline int gemm(const struct step *s, const struct linear *l, float *out)
 {
-    if (s->gemm(s->u, l->k, s->rows, l->k, l->panels, l->correction, l->scale, l->n, out))
-        return -1;
-    lora_add(l, s, out);
-    return 0;
+    const struct lora_context lora = {l, s};
+    return s->gemm(s->u, l->k, s->rows, l->k, l->panels, l->correction, l->scale, l->n, out,
+                   lora_rows(l, s) ? lora_tile : NULL, &lora);
 }
 
 /* x [rows, hidden] (the residual stream) through `count` layers in place, each pass split between the

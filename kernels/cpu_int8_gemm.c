@@ -303,10 +303,13 @@ static inline int product_tile(const struct row_tiles *a, int64_t m, const int8_
 #endif
 
 /* out [m, n] float32 = ((u - 128) . W^T) * scale: u uint8 [m, k] (rows lda apart), the weight packed as
- * above with correction[c] = 128 * sum_k W[c][k] (int32 [n]) and scale float32 [n]. Returns 0, or -1 where
- * the padded copy of a partial row tile could not be allocated (nothing written). */
-int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed, const int32_t *correction,
-              const float *scale, int64_t n, float *out) {
+ * above with correction[c] = 128 * sum_k W[c][k] (int32 [n]) and scale float32 [n]. `hook` (unless NULL) adds
+ * to each row tile of a panel's products as soon as they are stored, while they are in L1 (a LoRA delta's
+ * columns: kernels/cpu_decode_layers.c). Returns 0, or -1 where the padded copy of a partial row tile could
+ * not be allocated (nothing written). */
+int int8_gemm_hooked(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                     const int32_t *correction, const float *scale, int64_t n, float *out, tile_hook_fn *hook,
+                     const void *context) {
 #ifdef __AVX512VNNI__
     int64_t k4 = (k + 3) / 4, panels = (n + NR - 1) / NR;
     struct row_tiles a;
@@ -315,7 +318,7 @@ int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t 
     /* An output larger than the caches (an LM head's logits) is written with streaming stores: it will not be
      * read again before it leaves the caches, and a plain store first reads each line it writes. On a Zen 4,
      * SmolLM2's head at 256 rows: 16.8 ms against 19.4. */
-    int stream = m * n * (int64_t)sizeof(float) > STREAM_BYTES && n % 16 == 0 && (uintptr_t)out % 64 == 0;
+    int stream = !hook && m * n * (int64_t)sizeof(float) > STREAM_BYTES && n % 16 == 0 && (uintptr_t)out % 64 == 0;
     /* One barrier per call, the region's end (`nowait`): on a shared machine a thread descheduled at a barrier
      * holds the other there (16 weights of 2048-8192 at 128 rows, 2 threads, load 3-4: median 134 ms
      * against 196 with the loop's barrier too). */
@@ -331,6 +334,8 @@ int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t 
                 for (int h = 0; h * MR < rows; h++)
                     store(acc[h], part_rows(rows, h), cols, correction + p * NR, scale + p * NR,
                           out + (t * a.rows + h * MR) * n + p * NR, n, stream);
+                if (hook)
+                    hook(context, t * a.rows, rows, p * NR, cols, out + t * a.rows * n + p * NR, n);
             }
         }
         tiles_end(&a);
@@ -339,9 +344,16 @@ int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t 
     }
     free(a.spare);
 #else
-    (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)n, (void)out;
+    (void)u, (void)lda, (void)m, (void)k, (void)packed, (void)correction, (void)scale, (void)n, (void)out, (void)hook,
+        (void)context;
 #endif
     return 0;
+}
+
+/* int8_gemm_hooked without a hook. */
+int int8_gemm(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed, const int32_t *correction,
+              const float *scale, int64_t n, float *out) {
+    return int8_gemm_hooked(u, lda, m, k, packed, correction, scale, n, out, NULL, NULL);
 }
 
 #ifdef __AVX512VNNI__

@@ -25,11 +25,16 @@ typedef int gemm_silu_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, co
  * tile [rows, cols] ld apart. Called from the GEMM's threads at once, each on tiles of its own. */
 typedef void tile_hook_fn(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile,
                           int64_t ld);
+/* int8_gemm with `hook` (unless NULL) called on every tile of products as they are stored (never streamed). */
+typedef int gemm_hooked_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
+                           const int32_t *correction, const float *scale, int64_t n, float *out, tile_hook_fn *hook,
+                           const void *context);
 /* int8_gemm_silu with `hook` (unless NULL) called on every gate and up tile before the SiLU. */
 typedef int gemm_silu_hooked_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
                                 const int32_t *correction, const float *scale, int64_t half, const float *row_scale,
                                 const float *smooth, float *out, tile_hook_fn *hook, const void *context);
 gemm_fn int8_gemm;
+gemm_hooked_fn int8_gemm_hooked;
 gemm_silu_fn int8_gemm_silu;
 gemm_silu_hooked_fn int8_gemm_silu_hooked;
 int int8_gemm_argmax(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
@@ -42,6 +47,8 @@ int int8_gemm_available(void);
  * AVX-512 VNNI at build time, w4a8_available returns 0 and w4a8_gemm is a stub. */
 int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *out);
 int w4a8_available(void);
+void w4a8_pack(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k,
+               uint8_t *packed);
 
 /* kernels/cpu_quantize.c: the load's round-to-nearest weight quantizers and their inverse, bit for bit
  * kernels/wq_reference.py's; w is float32 (bf16 == 0) or bfloat16 bits. Plain C: available everywhere. */
@@ -108,7 +115,7 @@ struct step {
     const float *cos, *sin; /* [rows, head_dim / 2] */
     const int64_t *slots, *tables, *lens, *first;
     int64_t table_stride, num_blocks;
-    gemm_fn *gemm;
+    gemm_hooked_fn *gemm; /* the GEMM (int8_gemm_hooked: adapter rows' deltas added to its tiles) */
     gemm_silu_hooked_fn *gemm_silu; /* the GEMM's fused gated-MLP entry (int8_gemm_silu_hooked) */
     write_fn *write;
     decode_fn *decode;

@@ -56,6 +56,9 @@ def _library_or_reason() -> ctypes.CDLL | str:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.int8_gemm.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer]
     library.int8_gemm.restype = ctypes.c_int
+    library.int8_gemm_hooked.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer,
+                                         pointer]
+    library.int8_gemm_hooked.restype = ctypes.c_int
     library.int8_gemm_argmax.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer]
     library.int8_gemm_argmax.restype = ctypes.c_int
     library.int8_gemm_silu.argtypes = [pointer, size, size, size, pointer, pointer, pointer, size, pointer, pointer,

@@ -183,7 +183,7 @@ class NativeDecodeLayers:
         self.shape = dict(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size)
         self.eps = model.layers[0].input_layernorm.eps
-        self.gemm = function_address(vnni_gemm.library().int8_gemm)
+        self.gemm = function_address(vnni_gemm.library().int8_gemm_hooked)
         self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu_hooked)
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
         self._lora_version = 0  # the LoRA table's loads whose adapters the layers' stacks hold

@@ -91,6 +91,34 @@ def test_both_tiles_store_the_exact_products(libraries, m, k, n):
         assert torch.equal(_products(library, u, weight, scale), expected)
 
 
+HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                        ctypes.c_void_p, ctypes.c_int64)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (33, 576, 100), (200, 100, 576), (64, 2048, 48)])
+def test_the_hooked_gemm_hands_each_tile_of_stored_products_to_its_hook_once(libraries, m, k, n):
+    """int8_gemm_hooked: the hook sees each tile as stored (the exact products there) and what it adds to it
+    stays; the tiles cover the products once each, on either build, threads calling it at once."""
+    u, weight, scale = _problem(m, k, n)
+    expected, added = _exact(u, weight, scale), torch.arange(m * n, dtype=torch.float32).view(m, n)
+    for library in libraries.values():
+        panels, correction = _packed(library, weight)
+        out, seen, covered = torch.full((m, n), float("nan")), [], torch.zeros(m, n, dtype=torch.int64)
+
+        def hook(_, r0, rows, c0, cols, address, ld, seen=seen, covered=covered):
+            values = (ctypes.c_float * ((rows - 1) * ld + cols)).from_address(address)
+            tile = torch.frombuffer(values, dtype=torch.float32).as_strided((rows, cols), (ld, 1))
+            seen.append(torch.equal(tile, expected[r0 : r0 + rows, c0 : c0 + cols]))
+            covered[r0 : r0 + rows, c0 : c0 + cols] += 1
+            tile += added[r0 : r0 + rows, c0 : c0 + cols]
+
+        callback = HOOK(hook)
+        assert library.int8_gemm_hooked(u.data_ptr(), u.stride(0), m, k, panels.data_ptr(), correction.data_ptr(),
+                                        scale.data_ptr(), n, out.data_ptr(), callback, None) == 0
+        assert seen and all(seen) and torch.equal(covered, torch.ones_like(covered))
+        assert torch.equal(out, expected + added)
+
+
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_both_tiles_give_the_argmax_of_the_scaled_products(libraries, m, k, n):
     """Over all columns and all but the last 7 (a partial panel): the first column of each row's largest
