@@ -24,7 +24,7 @@ import torch
 
 from kernels.native_build import loaded_library
 from kernels.ops import define_op
-from kernels.wq_reference import group_size_of, unpack_int4
+from kernels.wq_reference import group_size_of, pack_int4, unpack_int4
 
 SOURCE = Path(__file__).with_name("cpu_w4a8_gemm.c")
 GROUP = 32  # k per weight group and per activation scale (GROUP in the C source)
@@ -80,6 +80,22 @@ def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -
         return padded.view(panels, PANEL, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat((nibbles, halves(scales), halves(mins)), dim=-1).contiguous()
+
+
+def unpack_w4a8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_w4a8`: (qweight uint8 [N, K/2], scales, mins float16 [N, K/32]) of the first
+    `out_features` channels, exactly the int4 weight packed (its scales and mins as float16): another layout
+    of it is made from this one where needed rather than made, stored and read at every load."""
+    panels, groups = packed.shape[0], packed.shape[1]
+    nibbles = packed[..., :512].reshape(panels, groups, 2, 4, PANEL // 2, 4)  # [panel, group, j, i, c, t]
+    q = torch.stack((nibbles & 0xF, nibbles >> 4), dim=2)  # [panel, group, h, j, i, c, t]
+    q = q.permute(0, 3, 5, 1, 2, 4, 6).reshape(panels * PANEL, groups * GROUP)[:out_features]
+
+    def values(start: int) -> torch.Tensor:  # float16 bytes [panels, groups, 64] -> [N, groups]
+        half = packed[..., start:start + 2 * PANEL].contiguous().view(torch.float16)
+        return half.transpose(1, 2).reshape(panels * PANEL, groups)[:out_features]
+
+    return pack_int4(q), values(512), values(512 + 2 * PANEL)
 
 
 def _matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

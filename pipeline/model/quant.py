@@ -93,6 +93,13 @@ class KernelChoice:
         """Whether a call of `rows` rows runs the LM head's compact copy rather than its float weight."""
         return rows >= self.head_rows if self.head_rows is not None else self.uses_w8a8(rows)
 
+    def reads_torch_int4(self) -> bool:
+        """Whether a weight-only call of some row count runs torch's int4 kernel: not where every call runs
+        W8A8, nor where the W4A8 GEMM runs every weight-only call (below the switch)."""
+        if not self.weight_only or self.w8a8_rows == 1:
+            return False
+        return self.w4a8_below is None or self.w8a8_rows is None or self.w4a8_below < self.w8a8_rows
+
     def record(self, rows: int) -> None:
         self.steps["w8a8" if self.uses_w8a8(rows) else "w4a8" if self.uses_w4a8(rows) else self.weight_only] += 1
 
@@ -277,16 +284,30 @@ class QuantLinear(ParallelLinear):
 
     def pack_for_cpu(self, w4a8: bool = False) -> bool:
         """Convert to torch's CPU kernel layout (scales rounded to bfloat16) if one exists; True if done.
-        With `w4a8`, an int4 weight the native W4A8 GEMM takes is also packed for it (`kernels.cpu_w4a8`)."""
+        With `w4a8`, an int4 weight the native W4A8 GEMM takes is packed for it (`kernels.cpu_w4a8`) instead,
+        where that layout holds it exactly (float16 scales and mins): torch's is made from it only where a
+        call reads it (`pack_torch_int4`), as under auto the W4A8 GEMM mostly runs every weight-only call
+        (building torch's for a 1B model, storing and reading it took ~3 s of a first start)."""
         if self.qweight is None or not cpu_supports(self.qweight, self.scales, self.mins, self.bits):
             return False
         if w4a8 and self.bits == 4 and cpu_w4a8.weight_reason(self.qweight, self.scales, self.mins) is None:
             self.w4a8_packed = cpu_w4a8.pack_w4a8(self.qweight, self.scales, self.mins)
+            if self.scales.dtype == self.mins.dtype == torch.float16:
+                self.qweight = self.scales = self.mins = None
+                return True
         packed = pack_for_cpu(self.qweight, self.scales, self.mins, self.bits)
         self.qweight = self.scales = self.mins = None
         self.packed_weight, self.packed_scales = packed.weight, packed.scales
         self.packed_group = packed.group_size
         return True
+
+    def pack_torch_int4(self) -> None:
+        """Make torch's int4 layout from the W4A8 one where `pack_for_cpu` left it out: the same layout as
+        from the original weight (`cpu_w4a8.unpack_w4a8` gives it back exactly)."""
+        if self.packed_weight is None and self.w4a8_packed is not None:
+            packed = pack_for_cpu(*cpu_w4a8.unpack_w4a8(self.w4a8_packed, self.out_features), 4)
+            self.packed_weight, self.packed_scales = packed.weight, packed.scales
+            self.packed_group = packed.group_size
 
     @property
     def cpu_packed(self) -> CpuPacked | None:
@@ -573,10 +594,20 @@ def check_loaded(model: nn.Module) -> None:
 
 
 def pack_model_for_cpu(model: nn.Module, w4a8: bool = False) -> int:
-    """Convert every quantized linear that torch's CPU kernels support (and with `w4a8`, its int4 weight for
-    the native W4A8 GEMM too, where that runs here); returns how many were converted."""
+    """Convert every quantized linear that torch's CPU kernels support (with `w4a8`, an int4 weight for the
+    native W4A8 GEMM, where that runs here, and torch's layout only where `pack_torch_int4_where_read` asks
+    for it); returns how many were converted."""
     w4a8 = w4a8 and cpu_w4a8.unavailable_reason() is None
     return sum(m.pack_for_cpu(w4a8) for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def pack_torch_int4_where_read(model: nn.Module) -> None:
+    """Make torch's int4 layout of the linears `pack_for_cpu` gave only the W4A8 one, where the model's
+    kernel choice has weight-only calls that read it (`KernelChoice.reads_torch_int4`)."""
+    if model.kernel_choice is not None and model.kernel_choice.reads_torch_int4():
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.pack_torch_int4()
 
 
 def drop_weight_only_layouts(model: nn.Module) -> int:
@@ -666,3 +697,4 @@ def load_quantized(
     if scheme != "w8a8" and fast and model.norm.weight.device.type == "cpu":
         # the W4A8 copy serves auto's weight-only steps once the switch timing (which needs W8A8) picks it
         pack_model_for_cpu(model, w4a8=prefer_speed and w8a8_rows is not None)
+        pack_torch_int4_where_read(model)  # none under a choice timed later (W8A8 from 1 row until then)

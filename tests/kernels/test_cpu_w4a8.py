@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from kernels import cpu_w4a8
-from kernels.cpu_w4a8 import GROUP, activation_parts, pack_w4a8, quantize_groups, w4a8_matmul, w4a8_reference
+from kernels.cpu_w4a8 import (
+    GROUP,
+    activation_parts,
+    pack_w4a8,
+    quantize_groups,
+    unpack_w4a8,
+    w4a8_matmul,
+    w4a8_reference,
+)
 from kernels.wq_reference import dequantize, quantize_int4
 
 
@@ -86,6 +94,15 @@ def test_quantize_groups_rounds_each_group_to_its_own_scale():
     q, a = quantize_groups(x)
     assert a.tolist() == [[1.0, 1.0]]  # max 127 -> step 1; an all-zero group -> 1
     assert q[0, :32].tolist() == [1] * 31 + [127] and q[0, 32:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("n,k", [(32, 64), (48, 96), (80, 256)])
+def test_unpacking_gives_back_the_packed_int4_weight(n, k):
+    """`unpack_w4a8` inverts `pack_w4a8` bit for bit, the padding of a last partial panel left out."""
+    qweight, scales, mins = quantize_int4(torch.randn(n, k) * 3, GROUP)
+    got = unpack_w4a8(pack_w4a8(qweight, scales, mins), n)
+    for value, expected in zip(got, (qweight, scales, mins), strict=True):
+        assert value.dtype == expected.dtype and torch.equal(value, expected)
 
 
 def test_packing_refuses_what_the_kernel_does_not_take():

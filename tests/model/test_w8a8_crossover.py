@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from kernels import cpu_w4a8
-from kernels.wq_cpu import weight_only_kernels_fast
+from kernels.wq_cpu import pack_for_cpu, weight_only_kernels_fast
 from pipeline.model import w8a8_crossover
 from pipeline.model.attention import WholeSequence
 from pipeline.model.loader import load_model
+from pipeline.model.quant import pack_torch_int4_where_read
 from pipeline.model.quant_choice import QuantChoice
 from pipeline.model.w8a8_crossover import apply_measured_crossover, crossing, measure_crossover
 from tests.reference import assert_only_near_ties, greedy_decode
@@ -155,6 +156,7 @@ def test_auto_keeps_a_w4a8_copy_of_the_int4_linears_where_the_kernel_runs(tiny_m
     plain = load_model(tiny_model_dir, quant="int4").model.layers[0].mlp.down_proj  # the original layout
     choice = model.kernel_choice
     choice.w8a8_rows, choice.w4a8_below = 16, 4
+    pack_torch_int4_where_read(model)  # 4-15 rows read torch's layout
     x = torch.randn(3, linear.in_features)
     with torch.inference_mode():
         y = linear(x)
@@ -164,6 +166,25 @@ def test_auto_keeps_a_w4a8_copy_of_the_int4_linears_where_the_kernel_runs(tiny_m
     choice.clear()
     one_step_logits(model)
     assert choice.steps == {"w4a8": 1}
+
+
+def test_torchs_int4_layout_is_made_from_the_w4a8_copy_where_a_call_reads_it(tiny_model_dir):
+    """Loaded to time the switch, an int4 linear with the W4A8 copy has no torch int4 layout; once a weight-only
+    call would read it (W4A8 not chosen: 1-7 rows on torch's kernel), it is made, and it is the layout torch's
+    packing makes of the load's own int4 weights."""
+    if cpu_w4a8.unavailable_reason() is not None:
+        pytest.skip(cpu_w4a8.unavailable_reason())
+    model = quantized(tiny_model_dir)
+    linear = model.layers[1].mlp.down_proj
+    assert linear.w4a8_packed is not None and linear.packed_weight is None
+    pack_torch_int4_where_read(model)  # W8A8 from 1 row until the switch is timed: nothing reads it
+    assert linear.packed_weight is None
+    model.kernel_choice.w8a8_rows = 8
+    pack_torch_int4_where_read(model)
+    plain = load_model(tiny_model_dir, quant="int4").model.layers[1].mlp.down_proj
+    expected = pack_for_cpu(plain.qweight, plain.scales, plain.mins, 4)
+    assert torch.equal(linear.packed_weight, expected.weight) and torch.equal(linear.packed_scales, expected.scales)
+    assert linear.packed_group == expected.group_size
 
 
 def test_measurement_times_w4a8_where_the_linears_have_it(tiny_model_dir):
@@ -187,6 +208,7 @@ def test_the_int4_layout_no_step_runs_is_freed(tiny_model_dir, monkeypatch, belo
         pytest.skip(cpu_w4a8.unavailable_reason())
     model = quantized(tiny_model_dir)
     model.kernel_choice.w8a8_rows, model.kernel_choice.w4a8_below = None, below
+    pack_torch_int4_where_read(model)
     before = one_step_logits(model)
     timed = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (2.0, 1.0)}
     monkeypatch.setattr(w8a8_crossover, "measure_crossover",
