@@ -58,15 +58,30 @@ def _library_or_reason() -> ctypes.CDLL | str:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.w4a8_gemm.argtypes = [pointer, size, size, size, pointer, size, pointer]
     library.w4a8_gemm.restype = ctypes.c_int
+    library.w4a8_pack.argtypes = [pointer, pointer, pointer, size, size, pointer]
+    library.w4a8_pack.restype = None
     return library
 
 
 def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """An int4 weight [N, K] (qweight uint8 [N, K/2], scales and mins [N, K/32]) in the kernel's layout:
-    uint8 [panels, K/32, 640] (the C source's header). ValueError where `weight_reason` refuses it."""
+    uint8 [panels, K/32, 640] (the C source's header), packed natively where the kernel is built (else by
+    `pack_w4a8_reference`). ValueError where `weight_reason` refuses it."""
     why_not = weight_reason(qweight, scales, mins)
     if why_not:
         raise ValueError(why_not)
+    library = _library_or_reason()
+    if isinstance(library, str):
+        return pack_w4a8_reference(qweight, scales, mins)
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    q, s, m = (t.contiguous() for t in (qweight, scales.to(torch.float16), mins.to(torch.float16)))
+    packed = torch.empty(-(-n // PANEL), k // GROUP, PANEL * GROUP // 2 + 4 * PANEL, dtype=torch.uint8)
+    library.w4a8_pack(q.data_ptr(), s.data_ptr(), m.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def pack_w4a8_reference(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """`pack_w4a8` in torch ops."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     panels, groups = -(-n // PANEL), k // GROUP
     pad = panels * PANEL - n

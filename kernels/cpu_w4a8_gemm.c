@@ -183,3 +183,32 @@ int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *
     return -1;
 #endif
 }
+
+/* The packed layout above of an int4 weight [n, k] in the shared format (qweight [n, k / 2]: even k in a byte's
+ * low nibble; scales and mins [n, k / 32] as float16 bits), in one pass (kernels/cpu_w4a8.py's
+ * pack_w4a8_reference is the same in torch: its unpacking, padding and permutes took 2.6 s of a 1B model's
+ * first start on 2 cores). The last panel's channels past n are zeros. */
+void w4a8_pack(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k,
+               uint8_t *packed)
+{
+    const int64_t kg = k / GROUP, panels = (n + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t pg = 0; pg < panels * kg; pg++) {
+        const int64_t p = pg / kg, g = pg % kg;
+        uint8_t *out = packed + pg * GROUP_BYTES;
+        uint16_t *values = (uint16_t *)(out + QUAD_BYTES); /* NR scales, then NR mins */
+        for (int64_t ch = 0; ch < NR; ch++) {
+            const int64_t row = p * NR + ch, j = ch / 16, c = ch % 16;
+            const uint8_t *q = qweight + row * (k / 2) + g * (GROUP / 2); /* the group's 16 bytes */
+            for (int i = 0; i < 4; i++)
+                for (int t = 0; t < 4; t++) {
+                    const int lo = 4 * i + t, hi = lo + 16; /* k in the group of the byte's two nibbles */
+                    const uint8_t a = row < n ? (q[lo / 2] >> (4 * (lo & 1))) & 15 : 0;
+                    const uint8_t b = row < n ? (q[hi / 2] >> (4 * (hi & 1))) & 15 : 0;
+                    out[(4 * j + i) * 64 + 4 * c + t] = (uint8_t)(a | (b << 4));
+                }
+            values[ch] = row < n ? scales[row * kg + g] : 0;
+            values[NR + ch] = row < n ? mins[row * kg + g] : 0;
+        }
+    }
+}

@@ -12,6 +12,7 @@ from kernels.cpu_w4a8 import (
     GROUP,
     activation_parts,
     pack_w4a8,
+    pack_w4a8_reference,
     quantize_groups,
     unpack_w4a8,
     w4a8_matmul,
@@ -103,6 +104,14 @@ def test_unpacking_gives_back_the_packed_int4_weight(n, k):
     got = unpack_w4a8(pack_w4a8(qweight, scales, mins), n)
     for value, expected in zip(got, (qweight, scales, mins), strict=True):
         assert value.dtype == expected.dtype and torch.equal(value, expected)
+
+
+@pytest.mark.parametrize("n,k", [(32, 64), (48, 96), (80, 256)])
+def test_native_packing_is_the_torch_reference(build, n, k):
+    """The native packer lays the weight out as `pack_w4a8_reference` does, bit for bit, padding included."""
+    kernel_or_skip(build)
+    qweight, scales, mins = quantize_int4(torch.randn(n, k) * 3, GROUP)
+    assert torch.equal(pack_w4a8(qweight, scales, mins), pack_w4a8_reference(qweight, scales, mins))
 
 
 def test_packing_refuses_what_the_kernel_does_not_take():
