@@ -38,6 +38,63 @@ static void widen_row(const void *w, int bf16, int64_t r, int64_t k, float *out)
 
 static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+/* One int4 group of g values x: its float16 scale and min, q packed two per byte into out (scalar). */
+static void quantize_int4_group(const float *x, int64_t g, uint8_t *out, _Float16 *scale, _Float16 *min)
+{
+    float lo = x[0], hi = x[0];
+    for (int64_t c = 1; c < g; c++) {
+        lo = x[c] < lo ? x[c] : lo;
+        hi = x[c] > hi ? x[c] : hi;
+    }
+    const _Float16 s16 = (_Float16)((hi - lo) / 15.0f), m16 = (_Float16)lo;
+    *scale = s16, *min = m16;
+    const float m = (float)m16, s = (float)s16 == 0.0f ? 1.0f : (float)s16;
+    for (int64_t c = 0; c < g; c += 2) {
+        const uint8_t even = (uint8_t)clampf(nearbyintf((x[c] - m) / s), 0.0f, 15.0f);
+        const uint8_t odd = (uint8_t)clampf(nearbyintf((x[c + 1] - m) / s), 0.0f, 15.0f);
+        out[c / 2] = (uint8_t)(even | (odd << 4));
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* `quantize_int4_group` for g a multiple of 16, sixteen values per vector: the same IEEE operations on each
+ * value (subtract, divide, round half to even, clamp), so the same bits. Groups where the scalar's
+ * comparisons could pick between values vectors do not tell apart (a NaN, an infinity, a signed zero at the
+ * min or max) go to the scalar code. An 8192 x 2048 weight on 2 cores: 15 ms against 48-53 (a 1B model's
+ * first start spent 4-8 s in the scalar pass). */
+static void quantize_int4_group_vectors(const float *x, int64_t g, uint8_t *out, _Float16 *scale, _Float16 *min)
+{
+    __m512 lo = _mm512_loadu_ps(x), hi = lo;
+    __mmask16 nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q);
+    for (int64_t c = 16; c < g; c += 16) {
+        const __m512 v = _mm512_loadu_ps(x + c);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        lo = _mm512_min_ps(lo, v), hi = _mm512_max_ps(hi, v);
+    }
+    const float low = _mm512_reduce_min_ps(lo), high = _mm512_reduce_max_ps(hi);
+    if (nan || !isfinite(low) || !isfinite(high) || low == 0.0f || high == 0.0f) {
+        quantize_int4_group(x, g, out, scale, min);
+        return;
+    }
+    const _Float16 s16 = (_Float16)((high - low) / 15.0f), m16 = (_Float16)low;
+    *scale = s16, *min = m16;
+    const __m512 m = _mm512_set1_ps((float)m16), s = _mm512_set1_ps((float)s16 == 0.0f ? 1.0f : (float)s16);
+    const __m512 zero = _mm512_setzero_ps(), fifteen = _mm512_set1_ps(15.0f);
+    const __m512i nibble = _mm512_set1_epi64(15), high_nibble = _mm512_set1_epi64(0xF0);
+    for (int64_t c = 0; c < g; c += 16) {
+        __m512 q = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x + c), m), s);
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, zero), fifteen));
+        /* 64-bit lane i holds values 2i (low half) and 2i + 1 (high half): one byte of two nibbles */
+        const __m512i pairs = _mm512_or_si512(_mm512_and_si512(v, nibble),
+                                              _mm512_and_si512(_mm512_srli_epi64(v, 28), high_nibble));
+        _mm_storel_epi64((__m128i *)(out + c / 2), _mm512_cvtepi64_epi8(pairs));
+    }
+}
+#endif
+
 /* Asymmetric int4 per group of g: scale = fp16((max - min) / 15), min = fp16(min), q = round((w - min) / scale)
  * in 0..15 (scale 0 divides by 1), packed two per byte (even k in the low nibble). g even, k % g == 0. */
 void quantize_int4(const void *w, int bf16, int64_t n, int64_t k, int64_t g, uint8_t *packed, _Float16 *scales,
@@ -48,21 +105,15 @@ void quantize_int4(const void *w, int bf16, int64_t n, int64_t k, int64_t g, uin
         float row[k];
         widen_row(w, bf16, r, k, row);
         for (int64_t j = 0; j < k / g; j++) {
-            const float *x = row + j * g;
-            float lo = x[0], hi = x[0];
-            for (int64_t c = 1; c < g; c++) {
-                lo = x[c] < lo ? x[c] : lo;
-                hi = x[c] > hi ? x[c] : hi;
-            }
-            const _Float16 s16 = (_Float16)((hi - lo) / 15.0f), m16 = (_Float16)lo;
-            scales[r * (k / g) + j] = s16, mins[r * (k / g) + j] = m16;
-            const float m = (float)m16, s = (float)s16 == 0.0f ? 1.0f : (float)s16;
+            const int64_t at = r * (k / g) + j;
             uint8_t *out = packed + (r * k + j * g) / 2;
-            for (int64_t c = 0; c < g; c += 2) {
-                const uint8_t even = (uint8_t)clampf(nearbyintf((x[c] - m) / s), 0.0f, 15.0f);
-                const uint8_t odd = (uint8_t)clampf(nearbyintf((x[c + 1] - m) / s), 0.0f, 15.0f);
-                out[c / 2] = (uint8_t)(even | (odd << 4));
+#ifdef __AVX512F__
+            if (g % 16 == 0) {
+                quantize_int4_group_vectors(row + j * g, g, out, scales + at, mins + at);
+                continue;
             }
+#endif
+            quantize_int4_group(row + j * g, g, out, scales + at, mins + at);
         }
     }
 }
@@ -100,8 +151,6 @@ void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, flo
 /* w = q * scale (+ min) per group of g, in float32: q int4 (packed two per byte, 0..15) or int8 (signed);
  * scales and mins (NULL: none) float32 [n, k / g]. Two roundings (product, then sum), as the reference. */
 #ifdef __AVX512F__
-#include <immintrin.h>
-
 /* The first g - g % 32 values of an int4 group (16 bytes per 32 values) into w: each byte's two nibbles
  * widened to int32 lanes, put in k order (low nibble first) by one two-source permute each, converted (exact),
  * times s, plus m where the format has mins. Returns how many values it wrote. */
