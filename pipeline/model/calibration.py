@@ -36,7 +36,8 @@ class LinearInput:
 
     absmax: torch.Tensor
     gram: torch.Tensor | None
-    # the float32 weight the pass multiplied by (`calibrate`'s `weights`): the visit's own, to overwrite
+    # the float32 weight the pass multiplied by (`calibrate`'s `weights`): the visit's to overwrite, in a buffer
+    # the next product reuses (a visit copies what it keeps)
     weight: torch.Tensor | None = None
 
 
@@ -58,17 +59,30 @@ def product_dtype(x: torch.Tensor) -> torch.dtype:
 @torch.no_grad()
 def calibrate(model: nn.Module, ids: list[int], linears: list[nn.Module],
               visit: Callable[[nn.Module, LinearInput], None], grams: bool = False,
-              weights: Callable[[nn.Module], torch.Tensor] | None = None) -> torch.Tensor:
+              weights: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """One forward pass of `model` over `ids` as a single sequence: right after each of `linears` runs,
     `visit(linear, what entered it)` (with its Gram matrix if `grams`), so at most one Gram matrix is held
     at a time (a visit may change the linear: its call is over). Returns the final hidden state's channel
-    maxima. With `weights`, each linear's product (its `linear(x, bias)` step) is taken on `weights(linear)`,
-    its float32 weight, in `product_dtype`, and the visit gets that weight (`LinearInput.weight`): a
-    quantized weight is dequantized once, not again by the visit.
+    maxima. With `weights`, each linear's product (its `linear(x, bias)` step) is taken on
+    `weights(linear, out=...)`, its float32 weight written into a [out_features, in_features] buffer, in
+    `product_dtype`, and the visit gets that weight (`LinearInput.weight`): a quantized weight is dequantized
+    once, not again by the visit. The weight and its `product_dtype` copy go into buffers every product
+    reuses: a 1B model's weights in fresh tensors faulted in ~6 GB of new pages, 2-3x the passes themselves
+    on a VM.
 
     Gradient-free rather than inference mode, so tensors a visit makes are ordinary model buffers."""
     visited: set[nn.Module] = set()
     used: dict[nn.Module, torch.Tensor] = {}
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def scratch(dtype: torch.dtype, module: nn.Module, device: torch.device) -> torch.Tensor:
+        """A [out_features, in_features] view of the pass's one buffer of `dtype`, grown where too small."""
+        shape = (module.out_features, module.in_features)
+        size = shape[0] * shape[1]
+        if dtype not in buffers or buffers[dtype].numel() < size:
+            buffers.pop(dtype, None)  # freed before its larger successor is made
+            buffers[dtype] = torch.empty(size, dtype=dtype, device=device)
+        return buffers[dtype][:size].view(shape)
 
     def seen(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if module in visited:
@@ -79,9 +93,10 @@ def calibrate(model: nn.Module, ids: list[int], linears: list[nn.Module],
 
     def product(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
         def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            used[module] = weight = weights(module)
+            used[module] = weight = weights(module, out=scratch(torch.float32, module, x.device))
             dtype = product_dtype(x)
-            y = F.linear(x.to(dtype), weight.to(dtype)).to(x.dtype)
+            low = weight if dtype == weight.dtype else scratch(dtype, module, x.device).copy_(weight)
+            y = F.linear(x.to(dtype), low).to(x.dtype)
             return y if bias is None else y + bias
 
         return run

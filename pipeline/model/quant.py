@@ -276,11 +276,12 @@ class QuantLinear(ParallelLinear):
             self.mins.copy_(part.mins)
         self.rows_loaded = self.out_features
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [out_features, in_features] of this rank (bit-exact: what the reference path uses)."""
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out_features, in_features] of this rank (bit-exact: what the reference path uses), written
+        into `out` where given (`kernels.cpu_quantize.dequantize`)."""
         if self.qweight is None:
             raise RuntimeError("dequantize() needs the original layout (weights not loaded, or packed for CPU)")
-        return dequantize(self.qweight, self.scales, self.mins, self.bits)
+        return dequantize(self.qweight, self.scales, self.mins, self.bits, out)
 
     def pack_for_cpu(self, w4a8: bool = False) -> bool:
         """Convert to torch's CPU kernel layout (scales rounded to bfloat16) if one exists; True if done.

@@ -94,4 +94,14 @@ def test_dequantize_equals_the_reference(build: str, bits: int, group: int | Non
         mins = torch.randn(scales.shape).to(scales.dtype)
     mins = mins if with_mins else None
     native = cpu_quantize.dequantize(q, scales, mins, bits)
-    assert native.dtype == torch.float32 and torch.equal(native, wq_reference.dequantize(q, scales, mins, bits))
+    reference = wq_reference.dequantize(q, scales, mins, bits)
+    assert native.dtype == torch.float32 and torch.equal(native, reference)
+    out = torch.full_like(reference, float("nan"))  # a buffer from an earlier weight
+    assert cpu_quantize.dequantize(q, scales, mins, bits, out) is out and torch.equal(out, reference)
+
+
+def test_dequantize_refuses_an_out_of_another_shape() -> None:
+    q, scales, mins = cpu_quantize.quantize_int4(crafted(12, 256, 32), 32)
+    for out in (torch.empty(12, 128), torch.empty(12, 256, dtype=torch.bfloat16), torch.empty(256, 12).T):
+        with pytest.raises(ValueError, match="contiguous float32 12 x 256"):
+            cpu_quantize.dequantize(q, scales, mins, 4, out)

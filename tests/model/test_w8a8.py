@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from kernels.w8a8_reference import w8a8_matmul_reference
 from kernels.wq_reference import quantize_int8, wq_matmul_reference
 from pipeline.model import loader
 from pipeline.model import quant as quant_module
-from pipeline.model.calibration import calibrate, calibration_ids
+from pipeline.model.calibration import LinearInput, calibrate, calibration_ids
 from pipeline.model.gptq import gptq_int8
 from pipeline.model.layers import LMHead
 from pipeline.model.llama import cpp_compiler
@@ -71,7 +73,11 @@ def test_calibration_pass_products_keep_the_float32_passs_ranges(tiny_model_dir)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     exact, fast = {}, {}
     exact_final = calibrate(model, ids, linears, exact.__setitem__)
-    fast_final = calibrate(model, ids, linears, fast.__setitem__, weights=QuantLinear.dequantize)
+
+    def keep(m: QuantLinear, seen: LinearInput) -> None:  # the visit's weight is in a buffer the next one reuses
+        fast[m] = replace(seen, weight=seen.weight.clone())
+
+    fast_final = calibrate(model, ids, linears, keep, weights=QuantLinear.dequantize)
     first = model.layers[0].self_attn.qkv_proj
     x = model.layers[0].input_layernorm(model.embed_tokens(torch.tensor(ids)))
     assert torch.equal(fast[first].absmax, x.abs().amax(0)) and torch.equal(exact[first].absmax, fast[first].absmax)
