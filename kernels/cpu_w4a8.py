@@ -44,7 +44,9 @@ def weight_reason(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
     k = qweight.shape[1] * 2
     if mins is None or group_size_of(k, scales) != GROUP:
         return f"W4A8 takes int4 groups of {GROUP} with mins"
-    if not (scales.to(torch.float16).isfinite().all() and mins.to(torch.float16).isfinite().all()):
+    # all finite where the largest |value| is (a NaN propagates): one reduction, where isfinite().all() on
+    # float16 took 3-5 ms a weight (~0.5 s of the 1B shape's first start)
+    if not all(v.to(torch.float16).abs().amax().isfinite() for v in (scales, mins)):
         return "W4A8 keeps scales and mins in float16: these exceed its range"
     return None
 

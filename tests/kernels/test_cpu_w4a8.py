@@ -122,6 +122,10 @@ def test_packing_refuses_what_the_kernel_does_not_take():
     wide = quantize_int4(torch.randn(16, 128), 64)
     assert "groups of 32" in cpu_w4a8.weight_reason(*wide)
     assert "float16" in cpu_w4a8.weight_reason(qweight, scales.float() * 1e8, mins)
+    for bad in (float("nan"), float("-inf")):
+        odd = mins.clone()
+        odd[3, 1] = bad
+        assert "float16" in cpu_w4a8.weight_reason(qweight, scales, odd)
     with pytest.raises(ValueError, match="does not take"):
         w4a8_matmul(torch.randn(1, 64), pack_w4a8(qweight, scales, mins), 16)
 
