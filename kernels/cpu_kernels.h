@@ -49,6 +49,7 @@ int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *
 int w4a8_available(void);
 void w4a8_pack(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k,
                uint8_t *packed);
+void w4a8_unpack(const uint8_t *packed, int64_t n, int64_t k, uint8_t *qweight, uint16_t *scales, uint16_t *mins);
 
 /* kernels/cpu_quantize.c: the load's round-to-nearest weight quantizers and their inverse, bit for bit
  * kernels/wq_reference.py's; w is float32 (bf16 == 0) or bfloat16 bits. Plain C: available everywhere. */

@@ -62,6 +62,8 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.w4a8_gemm.restype = ctypes.c_int
     library.w4a8_pack.argtypes = [pointer, pointer, pointer, size, size, pointer]
     library.w4a8_pack.restype = None
+    library.w4a8_unpack.argtypes = [pointer, size, size, pointer, pointer, pointer]
+    library.w4a8_unpack.restype = None
     return library
 
 
@@ -102,7 +104,22 @@ def pack_w4a8_reference(qweight: torch.Tensor, scales: torch.Tensor, mins: torch
 def unpack_w4a8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `pack_w4a8`: (qweight uint8 [N, K/2], scales, mins float16 [N, K/32]) of the first
     `out_features` channels, exactly the int4 weight packed (its scales and mins as float16): another layout
-    of it is made from this one where needed rather than made, stored and read at every load."""
+    of it is made from this one where needed rather than made, stored and read at every load. Native where
+    the kernel is built (else `unpack_w4a8_reference`)."""
+    library = _library_or_reason()
+    if isinstance(library, str):
+        return unpack_w4a8_reference(packed, out_features)
+    k = packed.shape[1] * GROUP
+    qweight = torch.empty(out_features, k // 2, dtype=torch.uint8)
+    scales = torch.empty(out_features, k // GROUP, dtype=torch.float16)
+    mins = torch.empty_like(scales)
+    library.w4a8_unpack(packed.contiguous().data_ptr(), out_features, k, qweight.data_ptr(), scales.data_ptr(),
+                        mins.data_ptr())
+    return qweight, scales, mins
+
+
+def unpack_w4a8_reference(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`unpack_w4a8` in torch ops."""
     panels, groups = packed.shape[0], packed.shape[1]
     nibbles = packed[..., :512].reshape(panels, groups, 2, 4, PANEL // 2, 4)  # [panel, group, j, i, c, t]
     q = torch.stack((nibbles & 0xF, nibbles >> 4), dim=2)  # [panel, group, h, j, i, c, t]

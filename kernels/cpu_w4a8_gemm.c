@@ -212,3 +212,31 @@ void w4a8_pack(const uint8_t *qweight, const uint16_t *scales, const uint16_t *m
         }
     }
 }
+
+/* The inverse of w4a8_pack: the weight's first n channels back in the shared format (qweight [n, k / 2],
+ * scales and mins [n, k / 32] as float16 bits), where torch's int4 layout is made from them (kernels/cpu_w4a8.py's
+ * unpack_w4a8_reference is the same in torch, ~10x slower). */
+void w4a8_unpack(const uint8_t *packed, int64_t n, int64_t k, uint8_t *qweight, uint16_t *scales, uint16_t *mins)
+{
+    const int64_t kg = k / GROUP, panels = (n + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t pg = 0; pg < panels * kg; pg++) {
+        const int64_t p = pg / kg, g = pg % kg;
+        const uint8_t *in = packed + pg * GROUP_BYTES;
+        const uint16_t *values = (const uint16_t *)(in + QUAD_BYTES);
+        for (int64_t ch = 0; ch < NR && p * NR + ch < n; ch++) {
+            const int64_t row = p * NR + ch, j = ch / 16, c = ch % 16;
+            uint8_t *q = qweight + row * (k / 2) + g * (GROUP / 2);
+            for (int b = 0; b < GROUP / 2; b++) {
+                uint8_t byte = 0;
+                for (int half = 0; half < 2; half++) { /* k = 2 b + half of the group: nibble h of its byte */
+                    const int kk = 2 * b + half, h = kk / 16, i = kk % 16 / 4, t = kk % 4;
+                    byte |= (uint8_t)(((in[(4 * j + i) * 64 + 4 * c + t] >> (4 * h)) & 15) << (4 * half));
+                }
+                q[b] = byte;
+            }
+            scales[row * kg + g] = values[ch];
+            mins[row * kg + g] = values[NR + ch];
+        }
+    }
+}
