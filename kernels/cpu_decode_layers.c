@@ -200,28 +200,20 @@ void lora_delta(const float *x, const float *y, float *out, const int64_t *slots
  * 16 values an instruction. Inputs and projections are rounded to bfloat16, products and sums are float32 (the
  * deltas' error is bfloat16's, well inside the W8A8 products' they are added to). SmolLM2, 256 rows over 8
  * adapters of rank 16, Xeon AMX: see docs/performance.md. Tiles 0-5 are used, 16 rows x 64 bytes: the int8
- * GEMM's AMX configuration has them so (the gate_up hook runs inside it), else lora_tiles_begin loads one. */
+ * GEMM's AMX configuration has them so (the hooks run inside it), else lora_tiles_configure loads one. */
 #define TILE 16 /* rows of a tile, and float32 columns of its sums */
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* Loads 16-row x 64-byte tiles 0-5 unless the thread's configuration has them; returns whether it loaded
- * one (the caller releases it when done). */
-static int lora_tiles_begin(void)
+/* Loads the thread's tile configuration, tiles 0-5 16 rows x 64 bytes (the caller releases it when done). */
+static void lora_tiles_configure(void)
 {
     struct tile_config c;
-    _tile_storeconfig(&c);
-    int ready = c.palette == 1;
-    for (int i = 0; i < 6; i++)
-        ready &= c.rows[i] == TILE && c.colsb[i] == 64;
-    if (ready)
-        return 0;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 6; i++)
         c.rows[i] = TILE, c.colsb[i] = 64;
     _tile_loadconfig(&c);
-    return 1;
 }
 
 /* dst [kp] = src [k] in bfloat16 (round to nearest even), zeros past k. */
@@ -360,12 +352,13 @@ static void project_tile(const struct linear *l, const struct step *s, const flo
  * the ranks of their bands, summed onto out in the tiles (through a copy where a tile would pass the rows or
  * columns). */
 static void expand_tiles(const struct linear *l, const struct step *s, int64_t r0, int64_t rows, int64_t c0,
-                         int64_t cols, float *out, int64_t ld)
+                         int64_t cols, float *out, int64_t ld, int amx)
 {
     const int64_t rank = l->lora_rank, rp = round_up(rank, 32), bp = round_up(rank, 16), col_blocks = (l->n + 15) / 16;
     const int64_t xs = x16_stride(l);
     const uint16_t *projections = s->lora_x16 + r0 * xs; /* project_tile's */
-    const int loaded = lora_tiles_begin();
+    if (!amx) /* the GEMM's AMX configuration has the tiles (tile_hook_fn), else this thread loads one */
+        lora_tiles_configure();
     uint16_t t[TILE * rp];
     float copy[SUMS_TILES][TILE * TILE];
     int turn = 0;
@@ -438,7 +431,7 @@ static void expand_tiles(const struct linear *l, const struct step *s, int64_t r
     if (next < s->rows && s->lora_slots[next] >= 0 && s->lora_slots[next] != s->lora_slots[next - 1])
         prefetch(l->lora_b16 + (s->lora_slots[next] * col_blocks + c0 / 16) * bp * 16,
                  (cols < SUMS_TILES * 16 ? (cols + 15) / 16 : SUMS_TILES) * bp * 32);
-    if (loaded)
+    if (!amx)
         _tile_release();
 }
 #endif
@@ -455,12 +448,11 @@ static void lora_project(const struct linear *l, const struct step *s, const flo
     if (l->lora_a16) {
 #pragma omp parallel if (s->rows * k >= PARALLEL_MIN)
         {
-            const int loaded = lora_tiles_begin();
+            lora_tiles_configure();
 #pragma omp for
             for (int64_t g = 0; g < s->rows; g += TILE)
                 project_tile(l, s, x, g, s->rows - g < TILE ? s->rows - g : TILE);
-            if (loaded)
-                _tile_release();
+            _tile_release();
         }
         return;
     }
@@ -502,15 +494,17 @@ struct lora_context {
 
 /* The GEMMs' tile hook (tile_hook_fn): the tile's LoRA deltas added to its products as they are stored (the
  * fused gate_up + SiLU GEMM's before the SiLU, so that adapter rows keep the fused entry). */
-static void lora_tile(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile, int64_t ld)
+static void lora_tile(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile, int64_t ld,
+                      int amx)
 {
     const struct lora_context *c = context;
 #ifdef HAVE_LORA_TILES
     if (c->l->lora_a16) {
-        expand_tiles(c->l, c->s, r0, rows, c0, cols, tile, ld);
+        expand_tiles(c->l, c->s, r0, rows, c0, cols, tile, ld, amx);
         return;
     }
 #endif
+    (void)amx;
     for (int64_t lo = r0; lo < r0 + rows; lo += LORA_ROWS)
         add_deltas(c->l, c->s, lo, lo + LORA_ROWS < r0 + rows ? lo + LORA_ROWS : r0 + rows, c0, cols,
                    tile + (lo - r0) * ld, ld);

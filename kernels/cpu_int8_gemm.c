@@ -335,7 +335,7 @@ int int8_gemm_hooked(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const 
                     store(acc[h], part_rows(rows, h), cols, correction + p * NR, scale + p * NR,
                           out + (t * a.rows + h * MR) * n + p * NR, n, stream);
                 if (hook)
-                    hook(context, t * a.rows, rows, p * NR, cols, out + t * a.rows * n + p * NR, n);
+                    hook(context, t * a.rows, rows, p * NR, cols, out + t * a.rows * n + p * NR, n, a.rows != MR);
             }
         }
         tiles_end(&a);
@@ -514,7 +514,7 @@ int int8_gemm_silu_hooked(const uint8_t *u, int64_t lda, int64_t m, int64_t k, c
                     store(acc[h], part_rows(rows, h), NR, correction + q * NR, scale + q * NR, gate + r0 * NR, NR, 0);
                 }
                 if (hook)
-                    hook(context, t * a.rows, rows, q * NR, NR, gate + t * a.rows * NR, NR);
+                    hook(context, t * a.rows, rows, q * NR, NR, gate + t * a.rows * NR, NR, a.rows != MR);
             }
             int64_t p = pairs + q;
             for (int64_t t = 0; t < a.tiles; t++) {
@@ -524,7 +524,7 @@ int int8_gemm_silu_hooked(const uint8_t *u, int64_t lda, int64_t m, int64_t k, c
                 for (int h = 0; h * MR < rows; h++)
                     store(acc[h], part_rows(rows, h), NR, correction + p * NR, scale + p * NR, up + h * MR * NR, NR, 0);
                 if (hook)
-                    hook(context, t * a.rows, rows, p * NR, NR, up, NR);
+                    hook(context, t * a.rows, rows, p * NR, NR, up, NR, a.rows != MR);
                 for (int h = 0; h * MR < rows; h++) {
                     int64_t r0 = t * a.rows + h * MR;
                     silu_store(part_rows(rows, h), gate + r0 * NR, up + h * MR * NR, row_scale + r0,

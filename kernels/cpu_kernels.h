@@ -22,9 +22,11 @@ typedef int gemm_silu_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, co
                          const float *smooth, float *out);
 /* Adds to a tile of a GEMM's products before an epilogue reads them: rows r0 .. r0 + rows - 1 and columns
  * c0 .. c0 + cols - 1 of the [m, n] products (scaled by the column scales, not yet by the row scales), the
- * tile [rows, cols] ld apart. Called from the GEMM's threads at once, each on tiles of its own. */
+ * tile [rows, cols] ld apart. Called from the GEMM's threads at once, each on tiles of its own. `amx`: the
+ * GEMM runs on AMX, and the thread's tiles 0-5 are configured 16 rows x 64 bytes, the hook's to use until it
+ * returns (reading the configuration back, sttilecfg, took a quarter of the LoRA hook's time). */
 typedef void tile_hook_fn(const void *context, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float *tile,
-                          int64_t ld);
+                          int64_t ld, int amx);
 /* int8_gemm with `hook` (unless NULL) called on every tile of products as they are stored (never streamed). */
 typedef int gemm_hooked_fn(const uint8_t *u, int64_t lda, int64_t m, int64_t k, const int8_t *packed,
                            const int32_t *correction, const float *scale, int64_t n, float *out, tile_hook_fn *hook,

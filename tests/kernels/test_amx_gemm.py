@@ -92,23 +92,24 @@ def test_both_tiles_store_the_exact_products(libraries, m, k, n):
 
 
 HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                        ctypes.c_void_p, ctypes.c_int64)
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 16), (33, 576, 100), (200, 100, 576), (64, 2048, 48)])
 def test_the_hooked_gemm_hands_each_tile_of_stored_products_to_its_hook_once(libraries, m, k, n):
     """int8_gemm_hooked: the hook sees each tile as stored (the exact products there) and what it adds to it
-    stays; the tiles cover the products once each, on either build, threads calling it at once."""
+    stays; the tiles cover the products once each, on either build, threads calling it at once; it is told
+    whether the GEMM runs on AMX (its tiles then configured for the hook)."""
     u, weight, scale = _problem(m, k, n)
     expected, added = _exact(u, weight, scale), torch.arange(m * n, dtype=torch.float32).view(m, n)
     for library in libraries.values():
         panels, correction = _packed(library, weight)
         out, seen, covered = torch.full((m, n), float("nan")), [], torch.zeros(m, n, dtype=torch.int64)
 
-        def hook(_, r0, rows, c0, cols, address, ld, seen=seen, covered=covered):
+        def hook(_, r0, rows, c0, cols, address, ld, amx, seen=seen, covered=covered, library=library):
             values = (ctypes.c_float * ((rows - 1) * ld + cols)).from_address(address)
             tile = torch.frombuffer(values, dtype=torch.float32).as_strided((rows, cols), (ld, 1))
-            seen.append(torch.equal(tile, expected[r0 : r0 + rows, c0 : c0 + cols]))
+            seen.append(torch.equal(tile, expected[r0 : r0 + rows, c0 : c0 + cols]) and amx == library.int8_gemm_amx())
             covered[r0 : r0 + rows, c0 : c0 + cols] += 1
             tile += added[r0 : r0 + rows, c0 : c0 + cols]
 
