@@ -33,9 +33,12 @@ static inline vec splat(float x) { return (vec){0} + x; }
 
 #define PARALLEL_MIN 16384 /* elements of a pass below which the second thread's wake-up costs more */
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#ifdef __AVX512BF16__
+#define HAVE_LORA_BF16 1 /* the deltas on bfloat16 pairs: AVX-512 BF16's dot products, or AMX's tiles */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define HAVE_LORA_TILES 1
 #include "cpu_amx.h"
+#endif
 #endif
 
 static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
@@ -194,27 +197,14 @@ void lora_delta(const float *x, const float *y, float *out, const int64_t *slots
     }
 }
 
-#ifdef HAVE_LORA_TILES
-/* The deltas on AMX's bfloat16 tiles (struct linear's lora_a16 and lora_b16): a tile pass multiplies 16 rows
- * by 32 bfloat16 values of k (or of rank) into 16 float32 columns, where the float32 loops above multiply-add
- * 16 values an instruction. Inputs and projections are rounded to bfloat16, products and sums are float32 (the
- * deltas' error is bfloat16's, well inside the W8A8 products' they are added to). SmolLM2, 256 rows over 8
- * adapters of rank 16, Xeon AMX: see docs/performance.md. Tiles 0-5 are used, 16 rows x 64 bytes: the int8
- * GEMM's AMX configuration has them so (the hooks run inside it), else lora_tiles_configure loads one. */
-#define TILE 16 /* rows of a tile, and float32 columns of its sums */
+#ifdef HAVE_LORA_BF16
+/* The deltas on bfloat16 pairs (struct linear's lora_a16 and lora_b16), as AMX's tiles or AVX-512 BF16's dot
+ * products multiply them: inputs and projections rounded to bfloat16, products and sums float32 (the deltas'
+ * error is bfloat16's, well inside the W8A8 products' they are added to). A dot product instruction multiplies
+ * 16 columns by a pair of k (or rank) values, twice the float32 loops' 16 multiply-adds, from half the bytes.
+ * SmolLM2, 256 rows over 8 adapters of rank 16: see docs/performance.md. */
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-/* Loads the thread's tile configuration, tiles 0-5 16 rows x 64 bytes (the caller releases it when done). */
-static void lora_tiles_configure(void)
-{
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 6; i++)
-        c.rows[i] = TILE, c.colsb[i] = 64;
-    _tile_loadconfig(&c);
-}
 
 /* dst [kp] = src [k] in bfloat16 (round to nearest even), zeros past k. */
 static inline void to_bf16(const float *src, int64_t k, uint16_t *dst, int64_t kp)
@@ -230,6 +220,114 @@ static inline int64_t x16_stride(const struct linear *l)
     const int64_t kp = round_up(l->k, 32), rp = round_up(l->lora_rank, 32);
     return kp > rp ? kp : rp;
 }
+
+/* The pair of bfloat16 values at p in every 32-bit lane: the row operand of a dot product. */
+static inline __m512bh pair(const uint16_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* t [g, rank] (rows rp apart) = xb [g, kp] (bfloat16, rows ld apart) A^T [kp, rank] / sx, from a slot's
+ * lora_a16 (16 ranks at a time, each k pair's 16 x 2 values one vector). g as in project_rows. */
+static inline __attribute__((always_inline)) void project_dot_rows(const uint16_t *xb, int64_t ld, int64_t kp,
+                                                                   const uint16_t *a, int64_t rank, const float *sx,
+                                                                   float *t, int64_t rp, const int g)
+{
+    for (int64_t j = 0; j < rank; j += 16, a += kp * 16) {
+        __m512 acc[LORA_ROWS];
+        for (int i = 0; i < g; i++)
+            acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < kp; c += 2) {
+            const __m512bh ac = (__m512bh)_mm512_loadu_si512(a + c * 16);
+            for (int i = 0; i < g; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], pair(xb + i * ld + c), ac);
+        }
+        for (int i = 0; i < g; i++)
+            store(t + i * rp + j, 0xFFFF, _mm512_div_ps(acc[i], _mm512_set1_ps(sx[i])));
+    }
+}
+
+/* out [g, cols] += tb [g, rank] (bfloat16 projections, rows ld_t apart) B^T [rank, cols] from lora_b16 at the
+ * first of the columns (c0's block; bp ranks a block), 32 columns at a time over the pairs of ranks their
+ * bands need (band: c0's; NULL: all). A last block of 16 columns reads its B^T twice (the second's sums
+ * masked off), not past it. g as in project_rows. */
+static inline __attribute__((always_inline)) void expand_dot_rows(const uint16_t *tb, int64_t ld_t, const uint16_t *b,
+                                                                  int64_t bp, const int32_t *band, int64_t rank,
+                                                                  int64_t cols, float *out, int64_t ld, const int g)
+{
+    for (int64_t c = 0; c < cols; c += 32) {
+        const __mmask16 m0 = lanes_left(cols - c), m1 = lanes_left(cols - c - 16);
+        const uint16_t *b0 = b + c / 16 * bp * 16, *b1 = m1 ? b0 + bp * 16 : b0;
+        __m512 lo[LORA_ROWS], hi[LORA_ROWS];
+        for (int i = 0; i < g; i++)
+            lo[i] = load(out + i * ld + c, m0), hi[i] = load(out + i * ld + c + 16, m1);
+        int64_t first, end;
+        rank_range(band, c, cols, rank, &first, &end);
+        for (int64_t j = first / 2 * 2; j < end; j += 2) { /* a pair past `end`: B^T's zeros (up to bp) */
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(b0 + j * 16), v1 = (__m512bh)_mm512_loadu_si512(b1 + j * 16);
+            for (int i = 0; i < g; i++) {
+                const __m512bh tj = pair(tb + i * ld_t + j);
+                lo[i] = _mm512_dpbf16_ps(lo[i], tj, v0);
+                hi[i] = _mm512_dpbf16_ps(hi[i], tj, v1);
+            }
+        }
+        for (int i = 0; i < g; i++)
+            store(out + i * ld + c, m0, lo[i]), store(out + i * ld + c + 16, m1, hi[i]);
+    }
+}
+
+/* lora_project on dot products, for a run of g rows from r of one slot: their inputs x (rows k apart) in
+ * bfloat16 into s->lora_x16, their projections from them, then those in bfloat16 in the inputs' place, where
+ * expand_dots reads them. */
+static void project_dots(const struct linear *l, const struct step *s, const float *x, int64_t r, int64_t g)
+{
+    const int64_t k = l->k, kp = round_up(k, 32), rank = l->lora_rank, rp = round_up(rank, 32), ld = x16_stride(l);
+    const int64_t slot = s->lora_slots[r], blocks = (rank + 15) / 16;
+    uint16_t *xb = s->lora_x16 + r * ld;
+    float t[LORA_ROWS * rp];
+    for (int64_t i = 0; i < g; i++)
+        to_bf16(x + (r + i) * k, k, xb + i * ld, kp);
+#define PROJECT(G) project_dot_rows(xb, ld, kp, l->lora_a16 + slot * blocks * kp * 16, rank, s->sx + r, t, rp, G)
+    BY_ROWS(PROJECT, g)
+#undef PROJECT
+    for (int64_t i = 0; i < g; i++)
+        to_bf16(t + i * rp, rank, xb + i * ld, rp);
+}
+
+/* add_deltas on dot products: a run of g rows from r of one slot, columns c0 .. c0 + cols - 1 (c0 a multiple
+ * of 16) of out (rows ld apart). */
+static void expand_dots(const struct linear *l, const struct step *s, int64_t r, int64_t g, int64_t c0, int64_t cols,
+                        float *out, int64_t ld)
+{
+    const int64_t rank = l->lora_rank, bp = round_up(rank, 16), col_blocks = (l->n + 15) / 16;
+    const uint16_t *b = l->lora_b16 + (s->lora_slots[r] * col_blocks + c0 / 16) * bp * 16;
+    const int32_t *band = l->lora_band ? l->lora_band + c0 / 16 * 2 : NULL;
+#define EXPAND(G) expand_dot_rows(s->lora_x16 + r * x16_stride(l), x16_stride(l), b, bp, band, rank, cols, out, ld, G)
+    BY_ROWS(EXPAND, g)
+#undef EXPAND
+}
+#endif
+
+#ifdef HAVE_LORA_TILES
+/* The deltas on AMX's bfloat16 tiles (lora_a16 and lora_b16, as the dot products above): a tile pass
+ * multiplies 16 rows by 32 bfloat16 values of k (or of rank) into 16 float32 columns. Xeon AMX: see
+ * docs/performance.md. Tiles 0-5 are used, 16 rows x 64 bytes: the int8 GEMM's AMX configuration has them so
+ * (the hooks run inside it), else lora_tiles_configure loads one. */
+#define TILE 16 /* rows of a tile, and float32 columns of its sums */
+
+/* Loads the thread's tile configuration, tiles 0-5 16 rows x 64 bytes (the caller releases it when done). */
+static void lora_tiles_configure(void)
+{
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 6; i++)
+        c.rows[i] = TILE, c.colsb[i] = 64;
+    _tile_loadconfig(&c);
+}
+
 
 /* Fetches `bytes` from p into L2 ahead of the tile loads that read them (into L1, the hook's two dozen
  * prefetches waited on L1's fill buffers: a fifth of expand_tiles' samples, and 0.3-0.5 ms more a 256-row step). */
@@ -446,7 +544,7 @@ static void lora_project(const struct linear *l, const struct step *s, const flo
         return;
     const int64_t k = l->k, rank = l->lora_rank;
 #ifdef HAVE_LORA_TILES
-    if (l->lora_a16) {
+    if (l->lora_a16 && s->lora_tiles) {
 #pragma omp parallel if (s->rows * k >= PARALLEL_MIN)
         {
             lora_tiles_configure();
@@ -463,9 +561,16 @@ static void lora_project(const struct linear *l, const struct step *s, const flo
         const int64_t end = lo + LORA_ROWS < s->rows ? lo + LORA_ROWS : s->rows;
         for (int64_t r = lo, e; r < end; r = e) {
             e = run_end(s->lora_slots, r, end);
-            if (s->lora_slots[r] >= 0)
-                project_run(x + r * k, k, l->lora_a + s->lora_slots[r] * k * rank, rank, s->sx + r,
-                            s->lora_t + r * s->lora_width, s->lora_width, e - r);
+            if (s->lora_slots[r] < 0)
+                continue;
+#ifdef HAVE_LORA_BF16
+            if (l->lora_a16) {
+                project_dots(l, s, x, r, e - r);
+                continue;
+            }
+#endif
+            project_run(x + r * k, k, l->lora_a + s->lora_slots[r] * k * rank, rank, s->sx + r,
+                        s->lora_t + r * s->lora_width, s->lora_width, e - r);
         }
     }
 }
@@ -479,11 +584,17 @@ static void add_deltas(const struct linear *l, const struct step *s, int64_t r0,
     const int32_t *band = l->lora_band ? l->lora_band + c0 / 16 * 2 : NULL;
     for (int64_t r = r0, e; r < end; r = e) {
         e = run_end(s->lora_slots, r, end);
-        if (s->lora_slots[r] >= 0) {
-            float *rows = out + (r - r0) * ld;
-            expand_run(s->lora_t + r * s->lora_width, s->lora_width, l->lora_b + s->lora_slots[r] * rank * n + c0, n,
-                       band, rank, cols, rows, ld, rows, ld, e - r);
+        if (s->lora_slots[r] < 0)
+            continue;
+        float *rows = out + (r - r0) * ld;
+#ifdef HAVE_LORA_BF16
+        if (l->lora_a16) {
+            expand_dots(l, s, r, e - r, c0, cols, rows, ld);
+            continue;
         }
+#endif
+        expand_run(s->lora_t + r * s->lora_width, s->lora_width, l->lora_b + s->lora_slots[r] * rank * n + c0, n, band,
+                   rank, cols, rows, ld, rows, ld, e - r);
     }
 }
 
@@ -500,7 +611,7 @@ static void lora_tile(const void *context, int64_t r0, int64_t rows, int64_t c0,
 {
     const struct lora_context *c = context;
 #ifdef HAVE_LORA_TILES
-    if (c->l->lora_a16) {
+    if (c->l->lora_a16 && c->s->lora_tiles) {
         expand_tiles(c->l, c->s, r0, rows, c0, cols, tile, ld, amx);
         return;
     }
@@ -867,6 +978,15 @@ int lora_tiles_available(void)
 #endif
 }
 
+int lora_dots_available(void)
+{
+#ifdef HAVE_LORA_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The structs' layout as this compiler lays them out, for the test that holds the ctypes mirrors
  * (kernels/cpu_decode_layers.py) to it: a mirror that disagrees would have this code read its fields at the
  * wrong addresses. */
@@ -889,6 +1009,7 @@ static const struct {
     FIELD(step, gemm_silu), FIELD(step, write), FIELD(step, decode), FIELD(step, u), FIELD(step, sx),
     FIELD(step, tmp), FIELD(step, qkv), FIELD(step, q), FIELD(step, attn), FIELD(step, gate_up), FIELD(step, proj),
     FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_width), FIELD(step, lora_x16),
+    FIELD(step, lora_tiles),
 };
 
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size)

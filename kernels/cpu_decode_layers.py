@@ -28,8 +28,8 @@ class Linear(ctypes.Structure):
     smoothing vector its input is multiplied by (None: none); its resident LoRA pairs stacked per slot,
     A^T [slots, k, lora_rank] divided by the smoothing vector along k and B^T scaled [slots, lora_rank, n]
     (None: no slot's adapter targets it), `lora_band` int32 [ceil(n / 16), 2] the ranks each 16 columns
-    of B^T need (None: all), and `lora_a16` / `lora_b16` the pairs as AMX's bfloat16 tiles read them
-    (`lora_tiles`; None: the float32 pairs' loops)."""
+    of B^T need (None: all), and `lora_a16` / `lora_b16` the pairs as AMX's bfloat16 tiles read them, for the
+    tiles or AVX-512 BF16's dot products (`lora_bf16`; None: the float32 pairs' loops)."""
 
     _fields_ = [("panels", _pointer), ("correction", _pointer), ("scale", _pointer), ("smooth", _pointer),
                 ("n", _size), ("k", _size), ("lora_a", _pointer), ("lora_b", _pointer), ("lora_rank", _size),
@@ -47,7 +47,8 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """What every layer of one step shares (`struct step` in kernels/cpu_kernels.h); `lora_slots` [rows]
     int64 each row's adapter slot (-1: base), None when no row has one, `lora_t` scratch of `lora_width`
-    floats a row, `lora_x16` bfloat16 scratch for the tiles' inputs (`lora_x16_values`)."""
+    floats a row, `lora_x16` bfloat16 scratch for the bfloat16 pairs' inputs (`lora_x16_values`), `lora_tiles`
+    1 where those pairs run on AMX's tiles, 0 on dot products."""
 
     _fields_ = [("rows", _size), ("hidden", _size), ("heads", _size), ("kv_heads", _size), ("head_dim", _size),
                 ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
@@ -56,7 +57,7 @@ class Step(ctypes.Structure):
                 ("gemm_silu", _pointer), ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer),
                 ("tmp", _pointer), ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer),
                 ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_width", _size),
-                ("lora_x16", _pointer)]
+                ("lora_x16", _pointer), ("lora_tiles", _size)]
 
 
 def unavailable_reason() -> str | None:
@@ -108,6 +109,14 @@ def lora_tiles() -> bool:
     return not isinstance(library, str) and bool(library.lora_tiles_available())
 
 
+def lora_dots() -> bool:
+    """Whether the native layers' LoRA deltas can run on AVX-512 BF16's dot products over the tiles' bfloat16
+    pairs here (the build, for this CPU, has AVX-512 BF16): where AMX is absent, half the float32 loops'
+    instructions."""
+    library = _library_or_reason()
+    return not isinstance(library, str) and bool(library.lora_dots_available())
+
+
 def lora_x16_values(rows: int, widest: int, lora_width: int) -> int:
     """bfloat16 values of `Step.lora_x16` for `rows` rows whose widest linear input is `widest` and widest
     LoRA stack `lora_width`: each row's input, then its projections, up to a multiple of 32, and 16 rows more
@@ -157,4 +166,5 @@ def _library_or_reason() -> ctypes.CDLL | str:
                                    _pointer, _size]
     library.lora_delta.restype = None
     library.lora_tiles_available.restype = ctypes.c_int
+    library.lora_dots_available.restype = ctypes.c_int
     return library

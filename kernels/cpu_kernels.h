@@ -86,7 +86,7 @@ int paged_integer_scores(void);
  * slot i adds x A^T[i] B^T[i]. lora_band [ceil(n / 16), 2]: for each 16 columns, the ranks [lo, hi) outside
  * which every slot's B^T is zero there (a fused linear's B is block-diagonal: each part's columns take only
  * its own ranks), NULL: all ranks. lora_a16 and lora_b16 (NULL: the float32 pairs' loops): the same pairs in
- * bfloat16 as AMX's B operand, for the deltas' tiles: A^T / smooth [slots, ceil(lora_rank / 16), kp / 2, 16, 2]
+ * bfloat16 as AMX's B operand, for the deltas' tiles or dot products (struct step's lora_tiles): A^T / smooth [slots, ceil(lora_rank / 16), kp / 2, 16, 2]
  * (kp: k up to a multiple of 32, zeros past k) and B^T [slots, ceil(n / 16), bp / 2, 16, 2] (bp: lora_rank up
  * to a multiple of 16, and one tile's 512 values more at the end), each 16 columns' values with pairs of rows
  * side by side. A tile of B^T takes 32 ranks: past bp it reads the next columns' (or the end's zeros), which
@@ -132,6 +132,7 @@ struct step {
     float *lora_t;
     int64_t lora_width;
     uint16_t *lora_x16;
+    int64_t lora_tiles; /* bfloat16 pairs on AMX's tiles (lora_tiles_available), else AVX-512 BF16's dot products */
 };
 
 /* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails, lora_delta is
@@ -150,6 +151,9 @@ int decode_layers_available(void);
 /* Whether the LoRA deltas can run on AMX's bfloat16 tiles here (built with AMX-BF16, the CPU has it, Linux
  * grants the tile state): struct linear's lora_a16 and lora_b16 are then read. */
 int lora_tiles_available(void);
+/* Whether the LoRA deltas can run on AVX-512 BF16's dot products over the same bfloat16 pairs (built with it,
+ * so for the CPU the build is for). */
+int lora_dots_available(void);
 /* Entry i of the layout of the structs above, in every build: the struct's name, a field's name, offset and
  * size, or for the struct's own size a NULL field. Returns 0 past the last entry. */
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size);

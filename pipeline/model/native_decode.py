@@ -116,16 +116,17 @@ def rank_bands(used: torch.Tensor) -> torch.Tensor:
 
 class LoraStacks:
     """One linear's resident adapters as the native layers read them, made from the table's stacks `a` / `b`:
-    A^T folded by the smoothing vector, B^T's bands, and (`tiles`) both as AMX's bfloat16 tiles. Refilled a slot
-    at a time as adapters load, so that loading one adapter packs only its own pairs."""
+    A^T folded by the smoothing vector, B^T's bands, and (`bf16`) both as AMX's bfloat16 tiles (which AVX-512
+    BF16's dot products read too). Refilled a slot at a time as adapters load, so that loading one adapter packs
+    only its own pairs."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, smooth: torch.Tensor | None, tiles: bool):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, smooth: torch.Tensor | None, bf16: bool):
         self.a, self.b, self.smooth = a, b, smooth  # the table's stacks, refilled in place slot by slot
         self.smoothed = smoothed_a(a, smooth)
         self.used = column_ranks(b)
         self.band = rank_bands(self.used)
         self.a16 = self.b16 = None
-        if tiles:
+        if bf16:
             self.a16 = cpu_decode_layers.pack_tiles(self.smoothed, 32)
             b16 = cpu_decode_layers.pack_tiles(b, 16).flatten()
             self.b16 = torch.nn.functional.pad(b16, (0, 512))  # a tile's 512 zeros past the last slot's
@@ -190,6 +191,7 @@ class NativeDecodeLayers:
         self._lora_width = 0
         self._lora_stacks: dict[int, LoraStacks] = {}  # by linear's lora_id: what the layers point at
         self.lora_tiles = cpu_decode_layers.lora_tiles()  # the deltas on AMX's bfloat16 tiles
+        self.lora_bf16 = self.lora_tiles or cpu_decode_layers.lora_dots()  # else AVX-512 BF16's dot products
         self._scratch = torch.empty(0)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, rows: NativeRows | None,
@@ -211,7 +213,7 @@ class NativeDecodeLayers:
                     write=rows.kernel.write_address, decode=rows.kernel.decode_address, **cfg)
         slots = None if lora is None else self._lora_slots(lora, t)
         if slots is not None:
-            step.lora_slots, step.lora_width = slots.data_ptr(), self._lora_width
+            step.lora_slots, step.lora_width, step.lora_tiles = slots.data_ptr(), self._lora_width, self.lora_tiles
         self._fill_scratch(step, t)
         rows.spent(cpu_decode_layers.decode_layers(self.layers, step, x.data_ptr()))
         self.model.kernel_choice.native_layer_steps += 1
@@ -243,7 +245,7 @@ class NativeDecodeLayers:
                 if a is None:
                     continue  # no slot's adapter has targeted this linear yet
                 if stacks is None or stacks.a is not a:
-                    stacks = self._lora_stacks[module.lora_id] = LoraStacks(a, b, module.w8a8_smooth, self.lora_tiles)
+                    stacks = self._lora_stacks[module.lora_id] = LoraStacks(a, b, module.w8a8_smooth, self.lora_bf16)
                 else:
                     for slot in loaded:
                         stacks.refill(slot)
@@ -259,7 +261,7 @@ class NativeDecodeLayers:
                  "attn": t * step.heads * step.head_dim, "gate_up": t * first.gate_up.n, "proj": t * step.hidden,
                  "sx": t, "u": -(-t * widest // 4),  # u: uint8, in float32 units
                  "lora_t": t * step.lora_width,  # lora_x16: bfloat16, in float32 units
-                 "lora_x16": -(-cpu_decode_layers.lora_x16_values(t, widest, step.lora_width) // 2) if self.lora_tiles and step.lora_width else 0}
+                 "lora_x16": -(-cpu_decode_layers.lora_x16_values(t, widest, step.lora_width) // 2) if self.lora_bf16 and step.lora_width else 0}
         total = sum(-(-n // 16) * 16 for n in sizes.values())  # each buffer 64-byte aligned
         if self._scratch.numel() < total:
             self._scratch = torch.empty(total, dtype=torch.float32)

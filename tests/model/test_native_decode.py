@@ -208,22 +208,25 @@ def test_steps_split_by_rows_between_threads_give_the_bits_of_one_thread(tiny_mo
     _assert_steps_same_arithmetic(split)
 
 
-@pytest.fixture(params=["float32 loops", "bfloat16 tiles"])
+@pytest.fixture(params=["float32 loops", "bfloat16 dot products", "bfloat16 tiles"])
 def lora_arithmetic(request, monkeypatch) -> str:
-    """Which native path runs the adapters' deltas: the float32 loops (the torch layers' arithmetic), or AMX's
-    bfloat16 tiles where this CPU has them (the torch layers' deltas then rounded as the tiles round:
-    `_tiles_reference`)."""
-    if request.param == "float32 loops":
+    """Which native path runs the adapters' deltas: the float32 loops (the torch layers' arithmetic), or
+    bfloat16 pairs on AVX-512 BF16's dot products or AMX's tiles where this CPU has them (the torch layers'
+    deltas then rounded as both round: `_tiles_reference`)."""
+    if request.param != "bfloat16 tiles":
         monkeypatch.setattr(cpu_decode_layers, "lora_tiles", lambda: False)
-    elif not cpu_decode_layers.lora_tiles():
-        pytest.skip("no AMX bfloat16 tiles here")
-    else:
-        monkeypatch.setattr(LoraStep, "added", _tiles_reference)
+    if request.param == "float32 loops":
+        monkeypatch.setattr(cpu_decode_layers, "lora_dots", lambda: False)
+        return request.param
+    available = cpu_decode_layers.lora_tiles if request.param == "bfloat16 tiles" else cpu_decode_layers.lora_dots
+    if not available():
+        pytest.skip(f"no {request.param} here")
+    monkeypatch.setattr(LoraStep, "added", _tiles_reference)
     return request.param
 
 
 def _tiles_reference(step: LoraStep, lora_id: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The deltas as the native layers' tiles compute them, for the torch layers (x the linear's float input,
+    """The deltas as the native layers' bfloat16 pairs (tiles or dot products) compute them, for the torch layers (x the linear's float input,
     y its dequantized products): the smoothed input and the smoothed A^T rounded to bfloat16, their sums over
     the row's int8 scale rounded to bfloat16 and times B^T's bfloat16 values, float32 sums, times the scale."""
     a, b = step.pairs.a[lora_id], step.pairs.b[lora_id]
@@ -285,11 +288,11 @@ def _lora_pairs(loaded, adapters: dict, monkeypatch, count: int, rows: int, max_
 
 def _assert_adapter_steps_native(pairs: list[Pair], arithmetic: str) -> None:
     """Every pass ran natively, adapter rows among them, each with the torch layers' arithmetic. On the
-    bfloat16 tiles, a projection's sum may round to another bfloat16 than the reference's (sums in another
+    bfloat16 pairs, a projection's sum may round to another bfloat16 than the reference's (sums in another
     order), which moves the next layers' int8 roundings: adapter rows are held to one int8 step's bound."""
     assert any(pair.adapters is not None and pair.adapters.any() for pair in pairs)
     assert all(pair.got is not None for pair in pairs)
-    if arithmetic == "bfloat16 tiles":
+    if arithmetic != "float32 loops":
         pairs = [replace(pair, loose=pair.loose | pair.adapters) if pair.adapters is not None else pair
                  for pair in pairs]
         for pair in pairs:
@@ -362,15 +365,15 @@ def test_lora_stacks_refilled_a_slot_at_a_time_equal_stacks_packed_whole():
     a, b = torch.randn(3, 40, 16, generator=gen), torch.randn(3, 16, 72, generator=gen)
     b[:, 8:, :32] = 0.0
     smooth = torch.rand(40, generator=gen) + 0.1
-    stacks = LoraStacks(a, b, smooth, tiles=True)
+    stacks = LoraStacks(a, b, smooth, bf16=True)
     a[1] = torch.randn(40, 16, generator=gen)
     b[1] = torch.randn(16, 72, generator=gen)
     b[1, :4] = 0.0
     stacks.refill(1)
-    whole = LoraStacks(a, b, smooth, tiles=True)
+    whole = LoraStacks(a, b, smooth, bf16=True)
     for name in ("smoothed", "used", "band", "a16", "b16"):
         assert torch.equal(getattr(stacks, name), getattr(whole, name)), name
-    assert not torch.equal(whole.band, LoraStacks(a[[0, 2]], b[[0, 2]], smooth, tiles=False).band)
+    assert not torch.equal(whole.band, LoraStacks(a[[0, 2]], b[[0, 2]], smooth, bf16=False).band)
 
 
 def test_smoothed_a_projects_the_smoothed_input_as_a_projects_the_input():
