@@ -174,7 +174,8 @@ def one_token_rows(contexts: list[int], logits_rows: list[int]) -> runner.StepBa
 @pytest.mark.parametrize("logits_rows", [[1, 2], [0, 2], [0, 1, 2]])
 def test_graph_step_returns_the_sampling_rows_only(tiny, logits_rows):
     """Every row has one query, but a one-token chunk that does not end its prompt samples nothing: the
-    runner returns exactly `logits_rows`' logits, in order, graphs or not."""
+    runner returns exactly `logits_rows`' logits, in order, graphs or not. The graph's step runs padded rows,
+    so its matmuls may block (and round) differently: float32 rounding apart, where another row is O(1) apart."""
     graphs: dict[int, EagerGraph] = {}
     replayed = emulated_graphs(graphs, 4)(tiny.model, 8, BLOCK, torch.device("cpu"))
     eager = GpuRunner(tiny.model, 8, BLOCK, torch.device("cpu"), cuda_graphs=False)
@@ -182,7 +183,7 @@ def test_graph_step_returns_the_sampling_rows_only(tiny, logits_rows):
     eager.attn.k, eager.attn.v = replayed.attn.k, replayed.attn.v  # one cache: both steps write the same K/V
     expected = eager.execute(batch)
     assert expected.shape[0] == len(logits_rows)
-    torch.testing.assert_close(replayed.execute(batch), expected)
+    torch.testing.assert_close(replayed.execute(batch), expected, rtol=1e-4, atol=1e-4)
 
 
 SYNCING = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
