@@ -301,10 +301,10 @@ static void project_dots(const struct linear *l, const struct step *s, const flo
 static void expand_dots(const struct linear *l, const struct step *s, int64_t r, int64_t g, int64_t c0, int64_t cols,
                         float *out, int64_t ld)
 {
-    const int64_t rank = l->lora_rank, bp = round_up(rank, 16), col_blocks = (l->n + 15) / 16;
+    const int64_t rank = l->lora_rank, bp = round_up(rank, 16), col_blocks = (l->n + 15) / 16, xs = x16_stride(l);
     const uint16_t *b = l->lora_b16 + (s->lora_slots[r] * col_blocks + c0 / 16) * bp * 16;
     const int32_t *band = l->lora_band ? l->lora_band + c0 / 16 * 2 : NULL;
-#define EXPAND(G) expand_dot_rows(s->lora_x16 + r * x16_stride(l), x16_stride(l), b, bp, band, rank, cols, out, ld, G)
+#define EXPAND(G) expand_dot_rows(s->lora_x16 + r * xs, xs, b, bp, band, rank, cols, out, ld, G)
     BY_ROWS(EXPAND, g)
 #undef EXPAND
 }

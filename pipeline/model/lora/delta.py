@@ -16,7 +16,7 @@ output untouched, so base-only steps (compiled graphs, CUDA graphs) never see it
 the native decoder layers, a linear's deltas are one native pass over its rows (`cpu_decode_layers.lora_delta`,
 where torch's gather, batched matmuls and scatter-add passed over the activations several times); the native
 W8A8 decoder layers (`pipeline.model.native_decode`) add the same deltas inside their own loops (on AMX's
-bfloat16 tiles where the CPU has them).
+bfloat16 tiles where the CPU has them, else on AVX-512 BF16's dot products where it has those).
 
 On CUDA (where Triton imports) a linear's deltas are two Triton launches for all of the step's adapters
 (`kernels.triton_lora`, SGMV shrink then expand): the runs are cut into 16-row tiles of one slot once per
