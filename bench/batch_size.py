@@ -9,6 +9,12 @@ The same measurement `engine.max_batch_size=auto` makes at the start of a job
 are prefilled, then `--steps` decode steps with all B sequences running are timed one by one, the fastest
 counting. Prints ms per step and generated tok/s, and the pick: the smallest B within `--within` of the
 best tok/s whose KV cache (B x (prompt + --max-tokens) positions) fits `--kv-cache-memory`.
+
+Steps below the W8A8 switch (weight-only: bound by reading the weights) also print how close they came to the
+bandwidth ceiling: the weight bytes a step reads (`pipeline.model.roofline.weight_read_bytes`: the layers at
+the weight-only precision, the int8 LM head) over a triad measured right after the timing, in this process.
+On a VM whose bandwidth moves from minute to minute (33-58 GB/s seen on one host), a triad from another
+run would make that fraction noise.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.runner import kv_bytes_per_block
 from pipeline.model.loader import default_model_path, load_model
-from pipeline.model.quant_choice import choose_quant
-from pipeline.model.roofline import HardwareProfile
+from pipeline.model.quant_choice import WEIGHT_ONLY_PRECISION, choose_quant
+from pipeline.model.roofline import HardwareProfile, weight_read_bytes
 from pipeline.model.w8a8_crossover import apply_measured_crossover, rows_to_load
-from pipeline.perf.probe import cpu_flags, probe
+from pipeline.perf.probe import cpu_flags, measure_bandwidth, probe
 
 
 def main() -> None:
@@ -74,6 +80,9 @@ def main() -> None:
     config = EngineConfig(kv_cache_memory=args.kv_cache_memory)
     capacity = config.kv_cache_bytes // kv_bytes_per_block(loaded.model, config.block_size) * config.block_size
     rates = {}
+    # the weight-only steps' reads: layers at the scheme's precision, the head in int8 (auto's compact head)
+    weights = WEIGHT_ONLY_PRECISION.get(quant)
+    step_bytes = weight_read_bytes(loaded.config, weights, "int8") if weights else None
     for batch in batches:
         for round_ in range(args.rounds):
             for compile_, lm_head in settings:
@@ -82,8 +91,14 @@ def main() -> None:
                     compile=compile_))
                 rate = decode_rate(engine, batch, args.prompt_len, args.steps)
                 rates[batch] = max(rates.get(batch, 0.0), rate)
-                print(f"batch {batch:4d}, round {round_}, engine.compile={compile_}, LM head {lm_head}: "
-                      f"{1e3 * batch / rate:7.1f} ms/step  {rate:7.1f} tok/s", flush=True)
+                line = (f"batch {batch:4d}, round {round_}, engine.compile={compile_}, LM head {lm_head}: "
+                        f"{1e3 * batch / rate:7.1f} ms/step  {rate:7.1f} tok/s")
+                if step_bytes and (rows is None or batch < rows):
+                    triad = measure_bandwidth()
+                    ceiling = batch * triad / step_bytes
+                    line += (f"; {100 * rate / ceiling:.0f}% of the bandwidth ceiling {ceiling:.1f} tok/s "
+                             f"({step_bytes / 1e6:.0f} MB a step / triad {triad / 1e9:.1f} GB/s, measured now)")
+                print(line, flush=True)
     fits = {b for b in batches if b * (args.prompt_len + args.max_tokens) <= capacity}
     if not fits:
         print("no measured batch fits the KV budget")

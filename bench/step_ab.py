@@ -10,6 +10,10 @@ median of the per-round ratios B / A, and each side's fastest step.
 
     git worktree add /tmp/base HEAD~1
     python bench/step_ab.py /tmp/base . --workload distinct --batch 256
+    python bench/step_ab.py /tmp/base . --batch 1 --model ~/.cache/llm-batch-pipeline/shapes/llama-3.2-1b
+
+The model is SmolLM2 (GGUF) unless --model names another checkout (`bench/shapes.py` builds real shapes);
+both sides load it in `model.quant=auto` as a job with engine.max_batch_size=--batch does.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from pathlib import Path
 
 
-def worker(checkout: str, workload: str, batch: int, steps: int) -> None:
+def worker(checkout: str, workload: str, batch: int, steps: int, model: str | None) -> None:
     """Child: the checkout's model and captured step, then one line per request ("go N"): the median and
     fastest of N steps, in ms."""
     sys.path[:1] = [checkout, os.path.join(checkout, "bench")]  # the checkout's modules, not this script's
@@ -41,9 +45,10 @@ def worker(checkout: str, workload: str, batch: int, steps: int) -> None:
 
     keep_step_buffers()
     hw = probe()
-    path = default_model_path()
+    path = model or default_model_path()
     base = load_model(path, torch.float32)
-    auto = choose_quant(base.config, HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory), "gguf",
+    weight_only = "gguf" if str(path).endswith(".gguf") else "int4"
+    auto = choose_quant(base.config, HardwareProfile("cpu", hw.bandwidth, dict(hw.flops), hw.memory), weight_only,
                         hw.weight_only_kernels, batch)
     loaded = load_mode(path, torch.float32, "auto", auto, 16, batch)
     prompts = (make_distinct_prompts(base.tokenizer, batch) if workload == "distinct"
@@ -71,10 +76,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="engine steps before the captured one")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=6, help="steps each side runs per round")
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.a, args.workload, args.batch, args.steps)
+        return worker(args.a, args.workload, args.batch, args.steps, args.model)
 
     checkouts = [str(Path(c).resolve()) for c in (args.a, args.b)]
 
@@ -92,7 +98,8 @@ def main() -> None:
     procs = []
     for c in checkouts:
         procs.append(subprocess.Popen([sys.executable, __file__, c, c, "--worker", "--workload", args.workload,
-                                       "--batch", str(args.batch), "--steps", str(args.steps)],
+                                       "--batch", str(args.batch), "--steps", str(args.steps),
+                                       *(["--model", args.model] if args.model else [])],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=c))
         ask(procs[-1], 3)  # loaded, compiled and warm before any timing
     rounds: list[list[tuple[float, float]]] = [[], []]

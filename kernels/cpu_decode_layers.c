@@ -1,4 +1,5 @@
-/* A run of W8A8 decoder layers for a decode step on CPU, in one native call.
+/* A run of decoder layers for a decode step on CPU, in one native call: W8A8, or weight-only on int4 weights
+ * (the W4A8 GEMM of small steps).
  *
  * Why native code: at 64 rows a compiled SmolLM2 step spent about a quarter of its main thread between
  * kernels (graph guards and wrappers, operator dispatch, the Python around each GEMM and attention call),
@@ -11,8 +12,10 @@
  * The arithmetic is the model's W8A8 layer (pipeline/model/llama.py with pipeline/model/quant.py): each
  * linear's input times its smoothing vector, rounded per row to uint8 with zero point 128 (scale
  * max|y| / 127, round half to even, as kernels/w8a8_reference.py's quantize_rows), the GEMM's float32
- * products times the row's scale. Float32 throughout; sums may round differently from torch's in the last
- * bits (as compiled graphs' do).
+ * products times the row's scale. A weight-only step is the model's layer with its int4 linears on the W4A8
+ * GEMM (kernels/cpu_w4a8_gemm.c, passed in as the others are): the same passes, the GEMM's input the float
+ * activations. Float32 throughout; sums may round differently from torch's in the last bits (as compiled
+ * graphs' do).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -649,10 +652,12 @@ static void quantize_input(const float *x, const struct linear *l, const struct 
     lora_project(l, s, l->smooth ? s->tmp : x);
 }
 
-/* RMSNorm of each row of x (weight w), times the linear's smoothing vector, quantized. */
+/* RMSNorm of each row of x (weight w) into s->tmp; in a W8A8 step times the linear's smoothing vector, then
+ * quantized (a weight-only step's GEMM reads s->tmp as it is). */
 static void norm_quantize(const float *x, const float *w, const struct linear *l, const struct step *s)
 {
     const int64_t k = l->k;
+    const float *smooth = s->gemm_w4 ? NULL : l->smooth;
 #pragma omp parallel for if (s->rows * k >= PARALLEL_MIN)
     for (int64_t r = 0; r < s->rows; r++) {
         const float *xr = x + r * k;
@@ -666,11 +671,12 @@ static void norm_quantize(const float *x, const float *w, const struct linear *l
         for (int64_t c = 0; c < k; c += 16) {
             __mmask16 m = lanes(k - c);
             __m512 y = _mm512_mul_ps(_mm512_mul_ps(load(xr + c, m), inv), load(w + c, m));
-            if (l->smooth)
-                y = _mm512_mul_ps(y, load(l->smooth + c, m));
+            if (smooth)
+                y = _mm512_mul_ps(y, load(smooth + c, m));
             store(t + c, m, y);
         }
-        s->sx[r] = quantize_row(t, k, s->u + r * k);
+        if (!s->gemm_w4)
+            s->sx[r] = quantize_row(t, k, s->u + r * k);
     }
     lora_project(l, s, s->tmp);
 }
@@ -727,10 +733,12 @@ static void scale_rope_write(const struct step *s, const struct layer *L)
     }
 }
 
-/* silu(gate) x up (both times the row scale), times the down projection's smoothing vector, quantized. */
+/* silu(gate) x up (both times the row scale) into s->tmp; in a W8A8 step times the down projection's
+ * smoothing vector, then quantized. */
 static void silu_quantize(const struct linear *down, const struct step *s)
 {
     const int64_t i = s->intermediate;
+    const float *smooth = s->gemm_w4 ? NULL : down->smooth;
 #pragma omp parallel for if (s->rows * i >= PARALLEL_MIN)
     for (int64_t r = 0; r < s->rows; r++) {
         const float *gate = s->gate_up + r * 2 * i, *up = gate + i;
@@ -739,11 +747,12 @@ static void silu_quantize(const struct linear *down, const struct step *s)
         for (int64_t c = 0; c < i; c += 16) {
             __mmask16 m = lanes(i - c);
             __m512 y = silu_times(_mm512_mul_ps(load(gate + c, m), sr), _mm512_mul_ps(load(up + c, m), sr));
-            if (down->smooth)
-                y = _mm512_mul_ps(y, load(down->smooth + c, m));
+            if (smooth)
+                y = _mm512_mul_ps(y, load(smooth + c, m));
             store(t + c, m, y);
         }
-        s->sx[r] = quantize_row(t, i, s->u + r * i);
+        if (!s->gemm_w4)
+            s->sx[r] = quantize_row(t, i, s->u + r * i);
     }
     lora_project(down, s, s->tmp);
 }
@@ -765,34 +774,42 @@ static inline double now(void)
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* out [rows, n] = the GEMM's products of the quantized input in s->u, plus the rows' LoRA deltas (added to
- * the GEMM's tiles as they are stored, while in L1). */
-static inline int gemm(const struct step *s, const struct linear *l, float *out)
+/* out [rows, n] = the GEMM's products: in a W8A8 step of the quantized input in s->u, plus the rows' LoRA
+ * deltas (added to the GEMM's tiles as they are stored, while in L1); in a weight-only step the W4A8 GEMM's
+ * of the float input x. */
+static inline int gemm(const struct step *s, const struct linear *l, const float *x, float *out)
 {
+    if (s->gemm_w4)
+        return s->gemm_w4(x, l->k, s->rows, l->k, l->w4, l->n, out);
     const struct lora_context lora = {l, s};
     return s->gemm(s->u, l->k, s->rows, l->k, l->panels, l->correction, l->scale, l->n, out,
                    lora_rows(l, s) ? lora_tile : NULL, &lora);
 }
 
 /* x [rows, hidden] (the residual stream) through `count` layers in place, each pass split between the
- * threads (GEMMs by panels, the rest by rows). Adds the seconds spent in the attention's decode to
- * *attention_seconds. Returns 0, or -1 where a GEMM could not allocate its padded rows (x then holds a
- * partial result). */
+ * threads (GEMMs by panels, the rest by rows). A weight-only step takes the same passes with the rows' scales
+ * 1 (its GEMM's products are scaled already), nothing smoothed or quantized but by its GEMM. Adds the seconds
+ * spent in the attention's decode to *attention_seconds. Returns 0, or -1 where a GEMM could not allocate its
+ * padded rows or quantized activations (x then holds a partial result). */
 static int layer_passes(const struct layer *layers, int64_t count, const struct step *s, float *x,
                         double *attention_seconds)
 {
+    if (s->gemm_w4)
+        for (int64_t r = 0; r < s->rows; r++)
+            s->sx[r] = 1.0f;
     for (int64_t i = 0; i < count; i++) {
         const struct layer *L = &layers[i];
         norm_quantize(x, L->input_norm, &L->qkv, s);
-        if (gemm(s, &L->qkv, s->qkv))
+        if (gemm(s, &L->qkv, s->tmp, s->qkv))
             return -1;
         scale_rope_write(s, L);
         double t0 = now();
         s->decode(s->q, L->k_pool, L->v_pool, L->k_scale, L->v_scale, s->tables, s->table_stride, s->lens, s->first,
                   s->attn, s->rows, s->kv_heads, s->num_blocks, s->attention_scale);
         *attention_seconds += now() - t0;
-        quantize_input(s->attn, &L->o, s);
-        if (gemm(s, &L->o, s->proj))
+        if (!s->gemm_w4)
+            quantize_input(s->attn, &L->o, s);
+        if (gemm(s, &L->o, s->attn, s->proj))
             return -1;
         add_scaled(x, s->proj, s->hidden, s);
         norm_quantize(x, L->post_norm, &L->gate_up, s);
@@ -800,16 +817,16 @@ static int layer_passes(const struct layer *layers, int64_t count, const struct 
          * tiles), else from the stored products */
         const struct linear *gu = &L->gate_up;
         const struct lora_context lora = {gu, s};
-        const int fused = s->gemm_silu(s->u, gu->k, s->rows, gu->k, gu->panels, gu->correction, gu->scale,
-                                       s->intermediate, s->sx, L->down.smooth, s->tmp,
-                                       lora_rows(gu, s) ? lora_tile : NULL, &lora);
-        if (fused == -1 || (fused == -2 && gemm(s, gu, s->gate_up)))
+        const int fused = s->gemm_w4 ? -2 : s->gemm_silu(s->u, gu->k, s->rows, gu->k, gu->panels, gu->correction,
+                                                         gu->scale, s->intermediate, s->sx, L->down.smooth, s->tmp,
+                                                         lora_rows(gu, s) ? lora_tile : NULL, &lora);
+        if (fused == -1 || (fused == -2 && gemm(s, gu, s->tmp, s->gate_up)))
             return -1;
         if (fused == 0)
             quantize_activation(&L->down, s);
         else
             silu_quantize(&L->down, s);
-        if (gemm(s, &L->down, s->proj))
+        if (gemm(s, &L->down, s->tmp, s->proj))
             return -1;
         add_scaled(x, s->proj, s->hidden, s);
     }
@@ -923,10 +940,6 @@ static int row_split(const struct layer *layers, int64_t count, const struct ste
     return failed ? -1 : 0;
 }
 
-/* x [rows, hidden] (the residual stream) through `count` layers in place: large steps split by rows
- * (row_split), small ones pass by pass. Adds the seconds spent in the attention's decode (the first thread's,
- * split by rows) to *attention_seconds. Returns 0, or -1 where a GEMM could not allocate its padded rows (x
- * then holds a partial result). */
 int splits_by_rows(const struct layer *layer, int64_t rows, int threads)
 {
     const struct linear *l[] = {&layer->qkv, &layer->o, &layer->gate_up, &layer->down};
@@ -936,9 +949,13 @@ int splits_by_rows(const struct layer *layer, int64_t rows, int threads)
     return threads > 1 && rows >= SPLIT_ROWS_MIN * threads && bytes <= SPLIT_LAYER_BYTES_MAX;
 }
 
+/* x [rows, hidden] (the residual stream) through `count` layers in place: large W8A8 steps split by rows
+ * (row_split), the others pass by pass (a weight-only step is a few rows, bound by its weights' reads).
+ * Adds the seconds spent in the attention's decode (the first thread's, split by rows) to *attention_seconds.
+ * Returns 0, or -1 where a GEMM could not allocate its scratch (x then holds a partial result). */
 int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x, double *attention_seconds)
 {
-    if (count > 0 && splits_by_rows(layers, s->rows, omp_get_max_threads()))
+    if (count > 0 && !s->gemm_w4 && splits_by_rows(layers, s->rows, omp_get_max_threads()))
         return row_split(layers, count, s, x, attention_seconds);
     return layer_passes(layers, count, s, x, attention_seconds);
 }
@@ -998,7 +1015,7 @@ static const struct {
 } LAYOUT[] = {
     SIZE(linear), FIELD(linear, panels), FIELD(linear, correction), FIELD(linear, scale), FIELD(linear, smooth),
     FIELD(linear, n), FIELD(linear, k), FIELD(linear, lora_a), FIELD(linear, lora_b), FIELD(linear, lora_rank),
-    FIELD(linear, lora_band), FIELD(linear, lora_a16), FIELD(linear, lora_b16),
+    FIELD(linear, lora_band), FIELD(linear, lora_a16), FIELD(linear, lora_b16), FIELD(linear, w4),
     SIZE(layer), FIELD(layer, input_norm), FIELD(layer, post_norm), FIELD(layer, qkv), FIELD(layer, o),
     FIELD(layer, gate_up), FIELD(layer, down), FIELD(layer, k_pool), FIELD(layer, v_pool), FIELD(layer, k_scale),
     FIELD(layer, v_scale),
@@ -1009,7 +1026,7 @@ static const struct {
     FIELD(step, gemm_silu), FIELD(step, write), FIELD(step, decode), FIELD(step, u), FIELD(step, sx),
     FIELD(step, tmp), FIELD(step, qkv), FIELD(step, q), FIELD(step, attn), FIELD(step, gate_up), FIELD(step, proj),
     FIELD(step, lora_slots), FIELD(step, lora_t), FIELD(step, lora_width), FIELD(step, lora_x16),
-    FIELD(step, lora_tiles),
+    FIELD(step, lora_tiles), FIELD(step, gemm_w4),
 };
 
 int struct_layout(int64_t i, const char **structure, const char **field, int64_t *offset, int64_t *size)

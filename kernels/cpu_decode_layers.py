@@ -1,4 +1,5 @@
-"""Build and call `kernels/cpu_decode_layers.c`: W8A8 decoder layers of a decode step in one native call.
+"""Build and call `kernels/cpu_decode_layers.c`: decoder layers of a decode step (W8A8, or weight-only on the
+W4A8 GEMM) in one native call.
 
 The C structs (`kernels/cpu_kernels.h`) are mirrored here as ctypes structures, held to the compiler's
 layout by tests/kernels/test_native_interface.py. A model fills one `Layer` per decoder layer once
@@ -29,11 +30,12 @@ class Linear(ctypes.Structure):
     A^T [slots, k, lora_rank] divided by the smoothing vector along k and B^T scaled [slots, lora_rank, n]
     (None: no slot's adapter targets it), `lora_band` int32 [ceil(n / 16), 2] the ranks each 16 columns
     of B^T need (None: all), and `lora_a16` / `lora_b16` the pairs as AMX's bfloat16 tiles read them, for the
-    tiles or AVX-512 BF16's dot products (`lora_bf16`; None: the float32 pairs' loops)."""
+    tiles or AVX-512 BF16's dot products (`lora_bf16`; None: the float32 pairs' loops); `w4` the same weight in
+    the W4A8 GEMM's int4 panels, which weight-only steps read (None: none)."""
 
     _fields_ = [("panels", _pointer), ("correction", _pointer), ("scale", _pointer), ("smooth", _pointer),
                 ("n", _size), ("k", _size), ("lora_a", _pointer), ("lora_b", _pointer), ("lora_rank", _size),
-                ("lora_band", _pointer), ("lora_a16", _pointer), ("lora_b16", _pointer)]
+                ("lora_band", _pointer), ("lora_a16", _pointer), ("lora_b16", _pointer), ("w4", _pointer)]
 
 
 class Layer(ctypes.Structure):
@@ -48,7 +50,8 @@ class Step(ctypes.Structure):
     """What every layer of one step shares (`struct step` in kernels/cpu_kernels.h); `lora_slots` [rows]
     int64 each row's adapter slot (-1: base), None when no row has one, `lora_t` scratch of `lora_width`
     floats a row, `lora_x16` bfloat16 scratch for the bfloat16 pairs' inputs (`lora_x16_values`), `lora_tiles`
-    1 where those pairs run on AMX's tiles, 0 on dot products."""
+    1 where those pairs run on AMX's tiles, 0 on dot products; `gemm_w4` the W4A8 GEMM's entry point in a
+    weight-only step (None: a W8A8 step)."""
 
     _fields_ = [("rows", _size), ("hidden", _size), ("heads", _size), ("kv_heads", _size), ("head_dim", _size),
                 ("intermediate", _size), ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
@@ -57,7 +60,7 @@ class Step(ctypes.Structure):
                 ("gemm_silu", _pointer), ("write", _pointer), ("decode", _pointer), ("u", _pointer), ("sx", _pointer),
                 ("tmp", _pointer), ("qkv", _pointer), ("q", _pointer), ("attn", _pointer), ("gate_up", _pointer),
                 ("proj", _pointer), ("lora_slots", _pointer), ("lora_t", _pointer), ("lora_width", _size),
-                ("lora_x16", _pointer), ("lora_tiles", _size)]
+                ("lora_x16", _pointer), ("lora_tiles", _size), ("gemm_w4", _pointer)]
 
 
 def unavailable_reason() -> str | None:

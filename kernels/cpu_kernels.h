@@ -47,7 +47,8 @@ int int8_gemm_available(void);
 
 /* kernels/cpu_w4a8_gemm.c: the W4A8 GEMM of small steps on int4 weights packed into its panels. Without
  * AVX-512 VNNI at build time, w4a8_available returns 0 and w4a8_gemm is a stub. */
-int w4a8_gemm(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *out);
+typedef int w4a8_fn(const float *x, int64_t lda, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *out);
+w4a8_fn w4a8_gemm;
 int w4a8_available(void);
 void w4a8_pack(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k,
                uint8_t *packed);
@@ -76,9 +77,9 @@ write_fn paged_write;
 decode_fn paged_decode;
 int paged_integer_scores(void);
 
-/* kernels/cpu_decode_layers.c: a run of W8A8 decoder layers. */
+/* kernels/cpu_decode_layers.c: a run of decoder layers, W8A8 or weight-only (W4A8). */
 
-/* A W8A8 linear: the GEMM's packed weight, correction and column scales, and the smoothing vector its
+/* A linear: the W8A8 GEMM's packed weight, correction and column scales, and the smoothing vector its
  * input is multiplied by (NULL: none). y [rows, n] = x [rows, k] W^T. Its resident LoRA pairs, stacked per
  * adapter slot (NULL where no slot's adapter targets it): A^T [slots, k, lora_rank] divided by the smoothing
  * vector along k (projecting the smoothed input, x A^T = (x smooth)(A^T / smooth), which the GEMM's input
@@ -90,7 +91,8 @@ int paged_integer_scores(void);
  * (kp: k up to a multiple of 32, zeros past k) and B^T [slots, ceil(n / 16), bp / 2, 16, 2] (bp: lora_rank up
  * to a multiple of 16, and one tile's 512 values more at the end), each 16 columns' values with pairs of rows
  * side by side. A tile of B^T takes 32 ranks: past bp it reads the next columns' (or the end's zeros), which
- * meet the projections' zeros there. */
+ * meet the projections' zeros there. w4 (NULL: none): the same weight as int4 in the W4A8 GEMM's panels, which
+ * weight-only steps read (their input neither smoothed nor quantized here: the W4A8 GEMM quantizes it). */
 struct linear {
     const int8_t *panels;
     const int32_t *correction;
@@ -101,6 +103,7 @@ struct linear {
     int64_t lora_rank;
     const int32_t *lora_band;
     const uint16_t *lora_a16, *lora_b16;
+    const uint8_t *w4;
 };
 
 struct layer {
@@ -133,6 +136,9 @@ struct step {
     int64_t lora_width;
     uint16_t *lora_x16;
     int64_t lora_tiles; /* bfloat16 pairs on AMX's tiles (lora_tiles_available), else AVX-512 BF16's dot products */
+    /* NULL: a W8A8 step. Else a weight-only step: every linear's w4 on this GEMM (w4a8_gemm), the rows' scales
+     * (sx) all 1, no LoRA rows */
+    w4a8_fn *gemm_w4;
 };
 
 /* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails, lora_delta is

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native_build import loaded_library
+from kernels.native_build import function_address, loaded_library
 from kernels.ops import define_op
 from kernels.wq_reference import group_size_of, pack_int4, unpack_int4
 
@@ -36,6 +36,15 @@ def unavailable_reason() -> str | None:
     """Why the W4A8 GEMM cannot run here, or None."""
     library = _library_or_reason()
     return library if isinstance(library, str) else None
+
+
+def gemm_address() -> int:
+    """The GEMM's entry point (`w4a8_fn` in kernels/cpu_kernels.h), for the native decoder layers to call;
+    RuntimeError where it cannot run."""
+    library = _library_or_reason()
+    if isinstance(library, str):
+        raise RuntimeError(f"no native W4A8 GEMM: {library}")
+    return function_address(library.w4a8_gemm)
 
 
 def weight_reason(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> str | None:

@@ -375,7 +375,7 @@ class _KernelReport:
     int8_gemm: dict[str, str]  # the W8A8 int8 GEMM per part, on CPU
     weight_bound: int | None  # the W8A8 weights' largest |int8|
     steps: dict[str, int]  # forward passes per matmul kernel
-    native_layer_steps: int  # W8A8 steps whose decoder layers ran in one native call
+    native_layer_steps: int  # steps (W8A8 or weight-only) whose decoder layers ran in one native call
     compiled: bool  # the decoder layers run through torch.compile
 
     @classmethod

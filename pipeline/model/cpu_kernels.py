@@ -35,7 +35,7 @@ from kernels.argmax import ARGMAX_CHUNK
 from kernels.native_build import cpu_identity, native_parts
 from kernels.packed_int8 import OneDNNWeight, packed_weight
 from kernels.vnni_gemm import NativeInt8Weight
-from pipeline.model.native_decode import native_decode_reason
+from pipeline.model.native_decode import native_decode_reason, native_model_reason, weight_only_reason
 from pipeline.model.quant import QuantLinear, QuantLMHead
 
 PLAIN, PACKED, NATIVE = "torch._int_mm", OneDNNWeight.name, NativeInt8Weight.name
@@ -125,15 +125,22 @@ def cpu_kernels(model: nn.Module, features: CpuFeatures) -> CpuKernels:
 
 
 def decoder_layers(model: nn.Module) -> str:
-    """native (in W8A8 steps, where its attention runs every row natively; and the arithmetic of their LoRA
-    deltas), compiled or eager, and why not native."""
+    """Which steps run native (W8A8 and weight-only ones, where the attention runs every row natively; and the
+    arithmetic of their LoRA deltas), compiled or eager, and why not native."""
     torch_path = "compiled" if model.compiled else "eager"
-    if model.native_layers is not None:
-        deltas = "AMX bfloat16 tiles" if model.native_layers.lora_tiles else "float32"
-        return f"native in W8A8 steps, else {torch_path} (LoRA deltas there: {deltas})"
-    choice = model.kernel_choice
-    why = "no W8A8 steps" if choice is None or choice.w8a8_rows is None else native_decode_reason(model)
-    return f"{torch_path} (not native: {why})"
+    layers = model.native_layers
+    if layers is None:
+        why = native_model_reason(model) or native_decode_reason(model)
+        return f"{torch_path} (not native: {why})"
+    reasons = {"W8A8": native_decode_reason(model), "weight-only": weight_only_reason(model)}
+    native = [kind for kind, why in reasons.items() if why is None]
+    not_native = "; ".join(f"{kind}: {why}" for kind, why in reasons.items() if why is not None)
+    if not native:
+        return f"{torch_path} (not native: {not_native})"
+    deltas = "AMX bfloat16 tiles" if layers.lora_tiles else "AVX-512 BF16 dot products" if layers.lora_bf16 \
+        else "float32"
+    text = f"native in {' and '.join(native)} steps, else {torch_path} (LoRA deltas in W8A8 steps: {deltas}"
+    return text + (f"; not native in {not_native})" if not_native else ")")
 
 
 def weight_only_kernel(model: nn.Module) -> str:

@@ -1,15 +1,19 @@
-"""W8A8 decoder layers of a CPU step in one native call (`kernels.cpu_decode_layers`), where the model and
-the step allow it; otherwise the model runs its layers as before (compiled graphs or eager).
+"""Decoder layers of a CPU step in one native call (`kernels.cpu_decode_layers`), W8A8 or weight-only, where
+the model and the step allow it; otherwise the model runs its layers as before (compiled graphs or eager).
 
 Why: at 64 rows a compiled SmolLM2 step spent about a quarter of its main thread between kernels (graph
 guards and wrappers, operator dispatch, the Python around each GEMM and attention call), while the second
 core waited. The native run does the same arithmetic as the W8A8 layer, with the native GEMM and the native
 paged attention called from C (figures in docs/performance.md).
 
-What it takes: one rank, float32 activations, every layer the plain Llama layout (no biases, no q/k norm)
-with its four linears on the native VNNI GEMM (chosen at load, `pipeline.model.w8a8_gemm`), and a step in
-W8A8 whose every row the paged attention runs through its native kernel (`NativeRows`). Rows with a LoRA
-adapter run here too: the layers add each linear's delta from the model's `LoraTable` stacks.
+What it takes: one rank, float32 activations, every layer the plain Llama layout (no biases, no q/k norm),
+and a step whose every row the paged attention runs through its native kernel (`NativeRows`). A W8A8 step
+needs the four linears on the native VNNI GEMM (chosen at load, `pipeline.model.w8a8_gemm`); rows with a LoRA
+adapter run here too, the layers adding each linear's delta from the model's `LoraTable` stacks. A
+weight-only step (model.quant=auto below its W8A8 switch) needs every linear's int4 weight in the native W4A8
+GEMM's layout (`kernels.cpu_w4a8`) and the step on that GEMM (`KernelChoice.uses_w4a8`), and no adapter
+rows. Why the weight-only steps too: a step of one row of a 1B-shaped model spent ~30% of its time in the
+Python and graph glue between its GEMMs while the second core waited (figures in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import cpu_decode_layers, vnni_gemm
+from kernels import cpu_decode_layers, cpu_w4a8, vnni_gemm
 from kernels.cpu_attention import PagedDecodeKernel
 from kernels.cpu_decode_layers import Layer, Linear, Step
 from kernels.native_build import function_address
@@ -50,10 +54,13 @@ class NativeRows:
 
 
 def native_decode_reason(model: nn.Module) -> str | None:
-    """Why `model` (a `pipeline.model.llama.LlamaModel`) cannot run its layers natively (None: it can)."""
+    """Why `model` (a `pipeline.model.llama.LlamaModel`) cannot run its W8A8 steps' layers natively (None: it
+    can)."""
     why = native_model_reason(model)
     if why:
         return why
+    if model.kernel_choice.w8a8_rows is None:
+        return "no step runs W8A8"
     for i, layer in enumerate(model.layers):
         for linear in _linears(layer):
             if not isinstance(linear, QuantLinear):
@@ -64,17 +71,30 @@ def native_decode_reason(model: nn.Module) -> str | None:
     return None
 
 
+def weight_only_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot run its weight-only steps' layers natively (None: it can, in steps of fewer than
+    `KernelChoice.w4a8_below` rows without adapter rows)."""
+    why = native_model_reason(model) or cpu_w4a8.unavailable_reason()
+    if why:
+        return why
+    if model.kernel_choice.w4a8_below is None:
+        return "its weight-only steps do not run the W4A8 GEMM"
+    for i, layer in enumerate(model.layers):
+        if any(getattr(linear, "w4a8_packed", None) is None for linear in _linears(layer)):
+            return f"layer {i} has a linear without the W4A8 layout"
+    return None
+
+
 def native_model_reason(model: nn.Module) -> str | None:
-    """Why `model` could not run its layers natively whatever GEMM its linears run on (None: it could, once
-    they run on the native GEMM)."""
+    """Why `model` could not run its layers natively whatever kernels its linears run on (None: it could, in
+    the steps whose linears' kernels it calls)."""
     why = cpu_decode_layers.unavailable_reason()
     if why:
         return why
     if model.tp.size > 1 or model.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
         return "it needs one rank and float32 activations on CPU"
-    choice = model.kernel_choice
-    if choice is None or choice.w8a8_rows is None:
-        return "no W8A8 layout is attached (model.quant w8a8 or auto)"
+    if model.kernel_choice is None:
+        return "its linears are not quantized (model.quant w8a8 or auto)"
     cfg = model.config
     if cfg.qk_norm or cfg.attention_bias or cfg.mlp_bias:
         return "the layers have q/k norms or biases (the native layers are the plain Llama layer)"
@@ -82,9 +102,14 @@ def native_model_reason(model: nn.Module) -> str | None:
 
 
 def native_decode_layers(model: nn.Module) -> NativeDecodeLayers | None:
-    """The native layers of `model`, or None where it cannot run them (`native_decode_reason` says why; the
-    job logs it with the other CPU kernels, `pipeline.model.cpu_kernels`)."""
-    return None if native_decode_reason(model) else NativeDecodeLayers(model)
+    """The native layers of `model`, or None where no step could run them: W8A8 steps need
+    `native_decode_reason` None, weight-only ones every linear's W4A8 layout (whether those steps run the W4A8
+    GEMM is settled after the load: `weight_only_reason`). The job logs which steps run them, and why not, with
+    the other CPU kernels (`pipeline.model.cpu_kernels`)."""
+    if native_model_reason(model):
+        return None
+    w4a8 = all(getattr(m, "w4a8_packed", None) is not None for layer in model.layers for m in _linears(layer))
+    return NativeDecodeLayers(model) if w4a8 or native_decode_reason(model) is None else None
 
 
 def smoothed_a(a: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
@@ -163,29 +188,41 @@ def _address(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def _linear(module: nn.Module) -> Linear:
+def _linear(module: nn.Module, w8a8: bool) -> Linear:
+    """The linear's fields a W8A8 step reads (`w8a8`; else its shape alone: `w4` is filled when a weight-only
+    step first runs)."""
+    if not w8a8:
+        return Linear(n=module.out_features, k=module.in_features)
     weight: NativeInt8Weight = packed_weight(module.int8_layout[2])
     return Linear(weight.panels.data_ptr(), weight.correction.data_ptr(), _address(module.w8a8_scales),
                   _address(module.w8a8_smooth), weight.out_features, weight.in_features)
 
 
 class NativeDecodeLayers:
-    """The model's layers as the native call reads them: weights' addresses filled once, the KV pools'
-    when the attention's pools change, the rows' each step."""
+    """The model's layers as the native call reads them: W8A8 weights' addresses filled once (where its W8A8
+    steps can run here: `w8a8`), the int4 ones at the first weight-only step (the layouts are settled by then:
+    `pipeline.model.w8a8_crossover` frees those no step reads), the KV pools' when the attention's pools
+    change, the rows' each step."""
 
     def __init__(self, model: nn.Module):
         cfg = model.config
         self.model = model
+        self.w8a8 = native_decode_reason(model) is None
         self.layers = (Layer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers):
             entry.input_norm = _address(layer.input_layernorm.weight)
             entry.post_norm = _address(layer.post_attention_layernorm.weight)
-            entry.qkv, entry.o, entry.gate_up, entry.down = map(_linear, _linears(layer))
+            entry.qkv, entry.o, entry.gate_up, entry.down = (_linear(m, self.w8a8) for m in _linears(layer))
         self.shape = dict(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size)
         self.eps = model.layers[0].input_layernorm.eps
-        self.gemm = function_address(vnni_gemm.library().int8_gemm_hooked)
-        self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu_hooked)
+        self.gemm = self.gemm_silu = None
+        if self.w8a8:
+            self.gemm = function_address(vnni_gemm.library().int8_gemm_hooked)
+            self.gemm_silu = function_address(vnni_gemm.library().int8_gemm_silu_hooked)
+        self._w4: list[torch.Tensor] | None = None  # the int4 layouts the layers point at, once looked up
+        self.gemm_w4: int | None = None  # the W4A8 GEMM's entry point, then
+        self.weight_only: bool | None = None  # whether weight-only steps run here (None: not yet looked up)
         self._pools: list[torch.Tensor] | None = None  # the k pools whose addresses the layers hold
         self._lora_version = 0  # the LoRA table's loads whose adapters the layers' stacks hold
         self._lora_width = 0
@@ -197,9 +234,18 @@ class NativeDecodeLayers:
     def run(self, x: torch.Tensor, positions: torch.Tensor, rows: NativeRows | None,
             lora: LoraStep | None = None) -> bool:
         """Run every layer over x [T, hidden] (the residual stream, updated in place) where this step can:
-        W8A8 at T rows, every row native (`rows`), with `lora`'s adapter deltas. Returns whether it ran."""
-        t = x.shape[0]
-        if rows is None or t == 0 or not self.model.kernel_choice.uses_w8a8(t) or not x.is_contiguous():
+        every row native (`rows`), W8A8 at T rows with `lora`'s adapter deltas, or weight-only on the W4A8 GEMM
+        without adapter rows. Returns whether it ran."""
+        t, choice = x.shape[0], self.model.kernel_choice
+        if rows is None or t == 0 or not x.is_contiguous():
+            return False
+        if choice.uses_w8a8(t):
+            if not self.w8a8:
+                return False
+            gemm_w4 = None
+        elif choice.uses_w4a8(t) and lora is None and self._weight_only_ready():
+            gemm_w4 = self.gemm_w4
+        else:
             return False
         if rows.k_pools is not self._pools:
             self._point_at(rows)
@@ -210,7 +256,7 @@ class NativeDecodeLayers:
                     slots=rows.slots.data_ptr(), tables=rows.tables.data_ptr(), lens=rows.lens.data_ptr(),
                     first=rows.first.data_ptr(), table_stride=rows.tables.shape[1],
                     num_blocks=rows.k_pools[0].shape[1], gemm=self.gemm, gemm_silu=self.gemm_silu,
-                    write=rows.kernel.write_address, decode=rows.kernel.decode_address, **cfg)
+                    write=rows.kernel.write_address, decode=rows.kernel.decode_address, gemm_w4=gemm_w4, **cfg)
         slots = None if lora is None else self._lora_slots(lora, t)
         if slots is not None:
             step.lora_slots, step.lora_width, step.lora_tiles = slots.data_ptr(), self._lora_width, self.lora_tiles
@@ -218,6 +264,19 @@ class NativeDecodeLayers:
         rows.spent(cpu_decode_layers.decode_layers(self.layers, step, x.data_ptr()))
         self.model.kernel_choice.native_layer_steps += 1
         return True
+
+    def _weight_only_ready(self) -> bool:
+        """Whether weight-only steps run here (`weight_only_reason`), the layers pointed at the int4 layouts on
+        the first ask (the tensors held: a layout freed later stays valid for them)."""
+        if self.weight_only is None:
+            self.weight_only = weight_only_reason(self.model) is None
+            if self.weight_only:
+                self.gemm_w4, self._w4 = cpu_w4a8.gemm_address(), []
+                for entry, layer in zip(self.layers, self.model.layers):
+                    for linear, module in zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer)):
+                        linear.w4 = module.w4a8_packed.data_ptr()
+                        self._w4.append(module.w4a8_packed)
+        return self.weight_only
 
     def _point_at(self, rows: NativeRows) -> None:
         for i, entry in enumerate(self.layers):
@@ -234,8 +293,8 @@ class NativeDecodeLayers:
     def follow_lora(self, table: LoraTable) -> None:
         """Bring the layers' adapter stacks up to the table's loads: the slots loaded since are packed again,
         a linear whose stacks a load replaced (widened to a higher rank) is packed whole. The model calls this
-        as each adapter loads, so that no step packs adapters."""
-        if table.version == self._lora_version:
+        as each adapter loads, so that no step packs adapters. (Adapter rows run here only in W8A8 steps.)"""
+        if table.version == self._lora_version or not self.w8a8:
             return
         loaded = set(table.loaded_slots[self._lora_version:])
         for entry, layer in zip(self.layers, self.model.layers):

@@ -75,7 +75,7 @@ class KernelChoice:
     steps: Counter = field(default_factory=Counter)
     int8_gemm: dict[str, str] = field(default_factory=dict)  # CPU: the int8 GEMM per part (`pipeline.model.w8a8_gemm`)
     weight_bound: int | None = None  # the W8A8 weights' largest |int8| (`kernels.dispatch.w8a8_weight_bound`)
-    native_layer_steps: int = 0  # W8A8 steps whose layers ran in one native call (`pipeline.model.native_decode`)
+    native_layer_steps: int = 0  # steps whose layers ran in one native call (`pipeline.model.native_decode`)
     # the LM head's own switch to its compact copy (`QuantLMHead`); None: with the linears, at `w8a8_rows`
     head_rows: int | None = None
     # weight-only calls of fewer rows run the native W4A8 GEMM where a linear has its layout; None: never

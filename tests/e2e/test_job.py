@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import threading
 
 import fsspec
@@ -406,11 +407,12 @@ def test_w8a8_and_auto_through_the_job(tmp_path, tiny_model_dir, quant):
                       "output.token_ids=true", *exact_kv, *HARDWARE), stdout=io.StringIO())
     model = metrics["model"]
     assert sum(model["kernel_steps"].values()) == metrics["steps"]
-    assert 0 <= model["native_layer_steps"] <= model["kernel_steps"].get("w8a8", 0)
+    assert 0 <= model["native_layer_steps"] <= model["kernel_steps"].get("w8a8", 0) + model["kernel_steps"].get("w4a8", 0)
     assert model["compiled_layers"]  # engine.compile=auto compiles quantized models on CPU
     kernels = model["cpu_kernels"]  # which CPU kernels ran, as the start's log line says
     assert kernels["int8_gemm"] == model["int8_gemm"] and kernels["weight_bound"] == model["int8_weight_bound"]
-    assert kernels["decoder_layers"].startswith(("native in W8A8 steps, else compiled", "compiled (not native: "))
+    assert re.match(r"native in (W8A8|weight-only|W8A8 and weight-only) steps, else compiled|compiled \(not native: ",
+                    kernels["decoder_layers"]), kernels["decoder_layers"]
     if quant == "auto":
         assert model["quant_auto"]["scheme"] == model["quant"] and model["quant_auto"]["reason"]
         assert model["kv_cache_dtype"] == resolve_kv_dtype("auto", "auto", "float32", "cpu")

@@ -88,7 +88,7 @@ def test_a_float_model_has_no_int8_gemm_and_no_native_layers(tiny_model_dir):
     model = load_model(tiny_model_dir).model
     kernels = cpu_kernels(model, CpuFeatures.here())
     assert kernels.int8_gemm == {} and kernels.weight_bound is None
-    assert kernels.decoder_layers == "eager (not native: no W8A8 steps)"
+    assert kernels.decoder_layers == "eager (not native: its linears are not quantized (model.quant w8a8 or auto))"
     assert kernels.greedy_head == "argmax of the logits"
     assert "no int8 GEMM" in kernels.line()
     assert kernels.weight_only.startswith("none")

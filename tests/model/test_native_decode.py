@@ -25,6 +25,7 @@ from pipeline.model.native_decode import (
     native_decode_reason,
     rank_bands,
     smoothed_a,
+    weight_only_reason,
 )
 from pipeline.model.w8a8_gemm import NATIVE, PLAIN
 from tests.lora_adapters import make_adapter, make_adapters
@@ -452,12 +453,50 @@ def test_steps_below_the_w8a8_rows_run_the_weight_only_layers(tiny_model_dir, na
     _assert_steps_same_arithmetic(pairs)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_weight_only_steps_on_the_w4a8_gemm_give_the_torch_layers_hidden_states(tiny_model_dir, native_gemm,
+                                                                                 monkeypatch, kv_dtype):
+    """Steps below the W8A8 switch run natively on the int4 weights' W4A8 GEMM (model.quant=auto's small
+    steps), as the torch layers run them on the same GEMM; steps from the switch on run the W8A8 layers."""
+    loaded = load_model(tiny_model_dir, quant="int4", w8a8_rows=4, kv_dtype=kv_dtype, prefer_speed=True)
+    model = loaded.model
+    model.kernel_choice.w4a8_below = 4  # what the crossover's timing sets where the W4A8 GEMM wins
+    why = weight_only_reason(model)
+    if why:
+        pytest.skip(f"no native weight-only layers here: {why}")
+    pairs = _paired_steps(monkeypatch)
+    _generate(loaded, max_batch_size=3, max_batched_tokens=16)  # decodes of 3 rows, prefill chunks of 16
+    assert {pair.rows < 4 for pair in pairs} == {True, False}
+    assert all(pair.got is not None for pair in pairs)
+    assert model.kernel_choice.native_layer_steps == len(pairs)
+    assert model.kernel_choice.steps["w4a8"] == 2 * sum(pair.rows < 4 for pair in pairs)  # each pass runs twice
+    _assert_steps_same_arithmetic(pairs)
+
+
+def test_adapter_rows_in_weight_only_steps_keep_the_torch_layers(tiny_model_dir, adapters, native_gemm, monkeypatch):
+    """A weight-only step with adapter rows runs the torch layers (the native deltas are W8A8's); one without
+    them, and every W8A8 step, runs natively (the deltas in float32 loops: the torch layers' arithmetic)."""
+    monkeypatch.setattr(cpu_decode_layers, "lora_tiles", lambda: False)
+    monkeypatch.setattr(cpu_decode_layers, "lora_dots", lambda: False)
+    loaded = load_model(tiny_model_dir, quant="int4", w8a8_rows=4, prefer_speed=True)
+    loaded.model.kernel_choice.w4a8_below = 4
+    if weight_only_reason(loaded.model):
+        pytest.skip(f"no native weight-only layers here: {weight_only_reason(loaded.model)}")
+    pairs = _lora_pairs(loaded, adapters, monkeypatch, count=8, rows=3, max_loaded=3)
+    adapter_steps = [pair.adapters is not None and bool(pair.adapters.any()) for pair in pairs]
+    assert any(a and pair.rows < 4 for a, pair in zip(adapter_steps, pairs))
+    for adapter_rows, pair in zip(adapter_steps, pairs):
+        assert (pair.got is None) == (adapter_rows and pair.rows < 4), pair.rows
+        if pair.got is not None:
+            _assert_same_arithmetic(pair)
+
+
 def test_without_the_native_gemm_or_w8a8_the_model_keeps_its_torch_layers(tiny_model_dir, monkeypatch):
     script_gemm_choice(monkeypatch, {"layers": PLAIN, "lm_head": PLAIN})
     plain_gemm = load_model(tiny_model_dir, quant="w8a8").model
     assert plain_gemm.native_layers is None
     assert f"do not run on the {NATIVE} GEMM" in native_decode_reason(plain_gemm) or cpu_decode_layers.unavailable_reason()
-    assert "no W8A8 layout" in native_decode_reason(load_model(tiny_model_dir).model) or \
+    assert "not quantized" in native_decode_reason(load_model(tiny_model_dir).model) or \
         cpu_decode_layers.unavailable_reason()
 
 
