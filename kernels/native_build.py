@@ -31,7 +31,7 @@ from pathlib import Path
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 EXTRA_FLAGS = "PIPELINE_KERNEL_FLAGS"
 SWITCH = "PIPELINE_NATIVE"
-# the native kernels $PIPELINE_NATIVE names: the VNNI int8 GEMM, the W8A8 decoder layers, the paged attention,
+# the native kernels $PIPELINE_NATIVE names: the VNNI int8 GEMM, the decoder layers, the paged attention,
 # the W4A8 GEMM of small steps, the load-time weight quantizers
 NATIVE_PARTS = ("gemm", "decode", "attention", "w4a8", "quantize")
 
