@@ -79,9 +79,15 @@ def weight_only_reason(model: nn.Module) -> str | None:
         return why
     if model.kernel_choice.w4a8_below is None:
         return "its weight-only steps do not run the W4A8 GEMM"
+    missing = _first_layer_without_w4a8(model)
+    return None if missing is None else f"layer {missing} has a linear without the W4A8 layout"
+
+
+def _first_layer_without_w4a8(model: nn.Module) -> int | None:
+    """The first layer with a linear that lacks the W4A8 GEMM's int4 layout (None: every linear has it)."""
     for i, layer in enumerate(model.layers):
         if any(getattr(linear, "w4a8_packed", None) is None for linear in _linears(layer)):
-            return f"layer {i} has a linear without the W4A8 layout"
+            return i
     return None
 
 
@@ -108,7 +114,7 @@ def native_decode_layers(model: nn.Module) -> NativeDecodeLayers | None:
     the other CPU kernels (`pipeline.model.cpu_kernels`)."""
     if native_model_reason(model):
         return None
-    w4a8 = all(getattr(m, "w4a8_packed", None) is not None for layer in model.layers for m in _linears(layer))
+    w4a8 = _first_layer_without_w4a8(model) is None
     return NativeDecodeLayers(model) if w4a8 or native_decode_reason(model) is None else None
 
 
