@@ -705,13 +705,14 @@ static inline void rotate(float *dst, const float *src, const float *cos, const 
     }
 }
 
-/* The qkv products times the row scales; q rotated into s->q, k rotated in place, v scaled in place; then
+/* The qkv products times the row scales, plus qkv's bias; q rotated into s->q, k rotated in place, v in place; then
  * each thread writes its rows' keys and values to the layer's KV pools, their cache lines still hot. (The
  * write took a parallel region of its own, serial below 4,096 row-heads: SmolLM2 steps of 64 rows took
  * 0.956 of the time with it here, lock-step.) */
 static void scale_rope_write(const struct step *s, const struct layer *L)
 {
     const int64_t n = L->qkv.n, d = s->head_dim, half = d / 2, nq = s->heads * d;
+    const float *bias = L->qkv.bias;
 #pragma omp parallel if (s->rows * n >= PARALLEL_MIN)
     {
         const int threads = omp_get_num_threads(), id = omp_get_thread_num();
@@ -719,8 +720,11 @@ static void scale_rope_write(const struct step *s, const struct layer *L)
         for (int64_t r = lo; r < hi; r++) {
             float *row = s->qkv + r * n;
             const __m512 sr = _mm512_set1_ps(s->sx[r]);
-            for (int64_t c = 0; c < n; c += 16)
-                store(row + c, lanes(n - c), _mm512_mul_ps(load(row + c, lanes(n - c)), sr));
+            for (int64_t c = 0; c < n; c += 16) {
+                const __mmask16 m = lanes(n - c);
+                const __m512 y = _mm512_mul_ps(load(row + c, m), sr);
+                store(row + c, m, bias ? _mm512_add_ps(y, load(bias + c, m)) : y);
+            }
             const float *cos = s->cos + r * half, *sin = s->sin + r * half;
             for (int64_t h = 0; h < s->heads; h++)
                 rotate(s->q + r * nq + h * d, row + h * d, cos, sin, half);
@@ -1015,7 +1019,7 @@ static const struct {
 } LAYOUT[] = {
     SIZE(linear), FIELD(linear, panels), FIELD(linear, correction), FIELD(linear, scale), FIELD(linear, smooth),
     FIELD(linear, n), FIELD(linear, k), FIELD(linear, lora_a), FIELD(linear, lora_b), FIELD(linear, lora_rank),
-    FIELD(linear, lora_band), FIELD(linear, lora_a16), FIELD(linear, lora_b16), FIELD(linear, w4),
+    FIELD(linear, lora_band), FIELD(linear, lora_a16), FIELD(linear, lora_b16), FIELD(linear, w4), FIELD(linear, bias),
     SIZE(layer), FIELD(layer, input_norm), FIELD(layer, post_norm), FIELD(layer, qkv), FIELD(layer, o),
     FIELD(layer, gate_up), FIELD(layer, down), FIELD(layer, k_pool), FIELD(layer, v_pool), FIELD(layer, k_scale),
     FIELD(layer, v_scale),

@@ -31,11 +31,13 @@ class Linear(ctypes.Structure):
     (None: no slot's adapter targets it), `lora_band` int32 [ceil(n / 16), 2] the ranks each 16 columns
     of B^T need (None: all), and `lora_a16` / `lora_b16` the pairs as AMX's bfloat16 tiles read them, for the
     tiles or AVX-512 BF16's dot products (`lora_bf16`; None: the float32 pairs' loops); `w4` the same weight in
-    the W4A8 GEMM's int4 panels, which weight-only steps read (None: none)."""
+    the W4A8 GEMM's int4 panels, which weight-only steps read (None: none); `bias` its bias (None: none; the
+    layers add only qkv's)."""
 
     _fields_ = [("panels", _pointer), ("correction", _pointer), ("scale", _pointer), ("smooth", _pointer),
                 ("n", _size), ("k", _size), ("lora_a", _pointer), ("lora_b", _pointer), ("lora_rank", _size),
-                ("lora_band", _pointer), ("lora_a16", _pointer), ("lora_b16", _pointer), ("w4", _pointer)]
+                ("lora_band", _pointer), ("lora_a16", _pointer), ("lora_b16", _pointer), ("w4", _pointer),
+                ("bias", _pointer)]
 
 
 class Layer(ctypes.Structure):

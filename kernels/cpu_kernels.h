@@ -104,6 +104,7 @@ struct linear {
     const int32_t *lora_band;
     const uint16_t *lora_a16, *lora_b16;
     const uint8_t *w4;
+    const float *bias; /* [n], added to the scaled products (NULL: none; the layers take only qkv's) */
 };
 
 struct layer {

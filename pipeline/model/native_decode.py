@@ -6,14 +6,15 @@ guards and wrappers, operator dispatch, the Python around each GEMM and attentio
 core waited. The native run does the same arithmetic as the W8A8 layer, with the native GEMM and the native
 paged attention called from C (figures in docs/performance.md).
 
-What it takes: one rank, float32 activations, every layer the plain Llama layout (no biases, no q/k norm),
-and a step whose every row the paged attention runs through its native kernel (`NativeRows`). A W8A8 step
-needs the four linears on the native VNNI GEMM (chosen at load, `pipeline.model.w8a8_gemm`); rows with a LoRA
-adapter run here too, the layers adding each linear's delta from the model's `LoraTable` stacks. A
-weight-only step (model.quant=auto below its W8A8 switch) needs every linear's int4 weight in the native W4A8
-GEMM's layout (`kernels.cpu_w4a8`) and the step on that GEMM (`KernelChoice.uses_w4a8`), and no adapter
-rows. Why the weight-only steps too: a step of one row of a 1B-shaped model spent ~30% of its time in the
-Python and graph glue between its GEMMs while the second core waited (figures in docs/performance.md).
+What it takes: one rank, float32 activations, every layer the Llama layout (q/k/v biases as Qwen2's, no MLP
+biases, no q/k norm), and a step whose every row the paged attention runs through its native kernel
+(`NativeRows`). A W8A8 step needs the four linears on the native VNNI GEMM (chosen at load,
+`pipeline.model.w8a8_gemm`); rows with a LoRA adapter run here too, the layers adding each linear's delta from
+the model's `LoraTable` stacks. A weight-only step (model.quant=auto below its W8A8 switch) needs every
+linear's int4 weight in the native W4A8 GEMM's layout (`kernels.cpu_w4a8`) and the step on that GEMM
+(`KernelChoice.uses_w4a8`), and no adapter rows. Why the weight-only steps too: a step of one row of a
+1B-shaped model spent ~30% of its time in the Python and graph glue between its GEMMs while the second core
+waited (figures in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def native_model_reason(model: nn.Module) -> str | None:
     if model.kernel_choice is None:
         return "its linears are not quantized (model.quant w8a8 or auto)"
     cfg = model.config
-    if cfg.qk_norm or cfg.attention_bias or cfg.mlp_bias:
-        return "the layers have q/k norms or biases (the native layers are the plain Llama layer)"
+    if cfg.qk_norm or cfg.mlp_bias:
+        return "the layers have q/k norms or MLP biases (the native layers are the Llama layer, q/k/v biases aside)"
     return None
 
 
@@ -197,11 +198,12 @@ def _address(t: torch.Tensor | None) -> int | None:
 def _linear(module: nn.Module, w8a8: bool) -> Linear:
     """The linear's fields a W8A8 step reads (`w8a8`; else its shape alone: `w4` is filled when a weight-only
     step first runs)."""
+    bias = _address(module.bias)
     if not w8a8:
-        return Linear(n=module.out_features, k=module.in_features)
+        return Linear(n=module.out_features, k=module.in_features, bias=bias)
     weight: NativeInt8Weight = packed_weight(module.int8_layout[2])
     return Linear(weight.panels.data_ptr(), weight.correction.data_ptr(), _address(module.w8a8_scales),
-                  _address(module.w8a8_smooth), weight.out_features, weight.in_features)
+                  _address(module.w8a8_smooth), weight.out_features, weight.in_features, bias=bias)
 
 
 class NativeDecodeLayers:

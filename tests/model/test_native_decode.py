@@ -418,12 +418,31 @@ def test_a_step_is_split_between_threads_by_its_rows_work_never_inside_a_prompt_
             assert all(b in (0, len(lens)) or lens[b] != lens[b - 1] + 1 for b in bounds)
 
 
-def test_a_sliding_window_runs_natively_and_biases_keep_the_torch_layers(tmp_path, native_gemm, monkeypatch):
+@pytest.mark.parametrize("quant", ["w8a8", "int4"])
+def test_qkv_biases_and_a_sliding_window_run_natively_and_q_k_norms_keep_the_torch_layers(tmp_path, native_gemm,
+                                                                                          monkeypatch, quant):
+    """Qwen2's q/k/v biases, added to the scaled qkv products (W8A8 steps, and with int4 weights the weight-only
+    steps below the switch on the W4A8 GEMM), and Mistral's sliding window run natively, with the torch layers'
+    hidden states; Qwen3's per-head q/k norms keep the torch layers."""
     qwen2 = build_tiny_checkpoint(tmp_path / "qwen2", seed=2, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                   use_sliding_window=False)
-    biased = load_model(qwen2, quant="w8a8").model
-    assert biased.native_layers is None and "biases" in native_decode_reason(biased)
-    _script_native(monkeypatch)  # for the second load
+    options = {"quant": "w8a8"} if quant == "w8a8" else {"quant": "int4", "w8a8_rows": 4, "prefer_speed": True}
+    biased = load_model(qwen2, **options)
+    assert biased.model.native_layers is not None, native_decode_reason(biased.model)
+    if quant == "int4":
+        biased.model.kernel_choice.w4a8_below = 4
+        if weight_only_reason(biased.model):
+            pytest.skip(f"no native weight-only layers here: {weight_only_reason(biased.model)}")
+    pairs = _paired_steps(monkeypatch)
+    _generate(biased, max_batch_size=3, max_batched_tokens=16)
+    assert pairs and all(pair.got is not None for pair in pairs)
+    _assert_steps_same_arithmetic(pairs)
+    monkeypatch.undo()
+    _script_native(monkeypatch)  # each load takes its own scripted GEMM choice
+    qwen3 = build_tiny_checkpoint(tmp_path / "qwen3", seed=2, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    normed = load_model(qwen3, quant="w8a8").model
+    assert normed.native_layers is None and "q/k norms" in native_decode_reason(normed)
+    _script_native(monkeypatch)
     mistral = build_tiny_checkpoint(tmp_path / "mistral", seed=2, architectures=["MistralForCausalLM"],
                                     model_type="mistral", sliding_window=8)
     windowed = load_model(mistral, quant="w8a8")
