@@ -19,7 +19,7 @@ waited (figures in docs/performance.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -280,11 +280,15 @@ class NativeDecodeLayers:
             self.weight_only = weight_only_reason(self.model) is None
             if self.weight_only:
                 self.gemm_w4, self._w4 = cpu_w4a8.gemm_address(), []
-                for entry, layer in zip(self.layers, self.model.layers):
-                    for linear, module in zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer)):
-                        linear.w4 = module.w4a8_packed.data_ptr()
-                        self._w4.append(module.w4a8_packed)
+                for linear, module in self._linear_pairs():
+                    linear.w4 = module.w4a8_packed.data_ptr()
+                    self._w4.append(module.w4a8_packed)
         return self.weight_only
+
+    def _linear_pairs(self) -> Iterator[tuple[Linear, nn.Module]]:
+        """Each linear's native entry (a view into `layers`: writes reach the native call) with its module."""
+        for entry, layer in zip(self.layers, self.model.layers):
+            yield from zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer))
 
     def _point_at(self, rows: NativeRows) -> None:
         for i, entry in enumerate(self.layers):
@@ -305,18 +309,17 @@ class NativeDecodeLayers:
         if table.version == self._lora_version or not self.w8a8:
             return
         loaded = set(table.loaded_slots[self._lora_version:])
-        for entry, layer in zip(self.layers, self.model.layers):
-            for linear, module in zip((entry.qkv, entry.o, entry.gate_up, entry.down), _linears(layer)):
-                a, b = table.a[module.lora_id], table.b[module.lora_id]
-                stacks = self._lora_stacks.get(module.lora_id)
-                if a is None:
-                    continue  # no slot's adapter has targeted this linear yet
-                if stacks is None or stacks.a is not a:
-                    stacks = self._lora_stacks[module.lora_id] = LoraStacks(a, b, module.w8a8_smooth, self.lora_bf16)
-                else:
-                    for slot in loaded:
-                        stacks.refill(slot)
-                stacks.point(linear)
+        for linear, module in self._linear_pairs():
+            a, b = table.a[module.lora_id], table.b[module.lora_id]
+            stacks = self._lora_stacks.get(module.lora_id)
+            if a is None:
+                continue  # no slot's adapter has targeted this linear yet
+            if stacks is None or stacks.a is not a:
+                stacks = self._lora_stacks[module.lora_id] = LoraStacks(a, b, module.w8a8_smooth, self.lora_bf16)
+            else:
+                for slot in loaded:
+                    stacks.refill(slot)
+            stacks.point(linear)
         self._lora_width = max((a.shape[2] for a in table.a if a is not None), default=0)
         self._lora_version = table.version
 
