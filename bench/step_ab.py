@@ -13,7 +13,10 @@ median of the per-round ratios B / A, and each side's fastest step.
     python bench/step_ab.py /tmp/base . --batch 1 --model ~/.cache/llm-batch-pipeline/shapes/llama-3.2-1b
 
 The model is SmolLM2 (GGUF) unless --model names another checkout (`bench/shapes.py` builds real shapes);
-both sides load it in `model.quant=auto` as a job with engine.max_batch_size=--batch does.
+both sides load it in `model.quant=auto` as a job with engine.max_batch_size=--batch does. --adapters N: the
+rows run N random LoRA adapters of rank --rank round-robin (`bench/lora.py`'s, the same on both sides).
+
+    python bench/step_ab.py /tmp/base . --batch 256 --adapters 8
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ import time
 from pathlib import Path
 
 
-def worker(checkout: str, workload: str, batch: int, steps: int, model: str | None) -> None:
+def worker(checkout: str, workload: str, batch: int, steps: int, model: str | None, adapters: int,
+           rank: int) -> None:
     """Child: the checkout's model and captured step, then one line per request ("go N"): the median and
     fastest of N steps, in ms."""
     sys.path[:1] = [checkout, os.path.join(checkout, "bench")]  # the checkout's modules, not this script's
+    import tempfile
+
     import torch
+    from lora import write_adapter
     from step_budget import captured_step
     from throughput import load_mode, make_distinct_prompts, make_shared_prompts
 
+    from pipeline.engine.adapters import LoraConfig
     from pipeline.engine.config import EngineConfig
     from pipeline.engine.engine import Engine
     from pipeline.engine.host_memory import keep_step_buffers
@@ -53,8 +61,12 @@ def worker(checkout: str, workload: str, batch: int, steps: int, model: str | No
     loaded = load_mode(path, torch.float32, "auto", auto, 16, batch)
     prompts = (make_distinct_prompts(base.tokenizer, batch) if workload == "distinct"
                else make_shared_prompts(base.tokenizer, max(1, batch // 32), min(32, batch)))
-    engine = Engine(loaded, EngineConfig(kv_cache_memory="2GiB", max_batch_size=batch))
-    step = captured_step(engine, prompts, steps)
+    work = Path(tempfile.mkdtemp(prefix="step-ab-"))
+    names = [f"ft{i}" for i in range(adapters)]
+    lora = LoraConfig({n: str(write_adapter(work / n, base.config, rank, i)) for i, n in enumerate(names)},
+                      max_loaded=adapters) if adapters else None
+    engine = Engine(loaded, EngineConfig(kv_cache_memory="2GiB", max_batch_size=batch), lora=lora)
+    step = captured_step(engine, prompts, steps, names)
     import pipeline
     gemms = getattr(loaded.model.kernel_choice, "int8_gemm", {})  # chosen by timing at load: may differ by side
     print(f"worker: imports {Path(pipeline.__file__).parent}; int8 GEMMs {gemms}", file=sys.stderr, flush=True)
@@ -77,10 +89,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=6, help="steps each side runs per round")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    ap.add_argument("--adapters", type=int, default=0, help="LoRA adapters the rows run round-robin (0: none)")
+    ap.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.a, args.workload, args.batch, args.steps, args.model)
+        return worker(args.a, args.workload, args.batch, args.steps, args.model, args.adapters, args.rank)
 
     checkouts = [str(Path(c).resolve()) for c in (args.a, args.b)]
 
@@ -99,6 +113,7 @@ def main() -> None:
     for c in checkouts:
         procs.append(subprocess.Popen([sys.executable, __file__, c, c, "--worker", "--workload", args.workload,
                                        "--batch", str(args.batch), "--steps", str(args.steps),
+                                       "--adapters", str(args.adapters), "--rank", str(args.rank),
                                        *(["--model", args.model] if args.model else [])],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=c))
         ask(procs[-1], 3)  # loaded, compiled and warm before any timing
@@ -113,7 +128,8 @@ def main() -> None:
     ratios = [b[0] / a[0] for a, b in zip(*rounds)]
     from pipeline.perf.probe import cpu_flags
 
-    print(f"cpu flags: {cpu_flags()}; workload {args.workload}, {args.batch} rows, {args.rounds} rounds of "
+    print(f"cpu flags: {cpu_flags()}; workload {args.workload}, {args.batch} rows"
+          f"{f' over {args.adapters} rank-{args.rank} adapters' if args.adapters else ''}, {args.rounds} rounds of "
           f"{args.per_round} steps; load {os.getloadavg()[0]:.1f}")
     for name, side, path in (("A", 0, checkouts[0]), ("B", 1, checkouts[1])):
         print(f"  {name} {path}: median step {statistics.median(m for m, _ in rounds[side]):.1f} ms, "

@@ -38,10 +38,12 @@ from pipeline.perf.probe import cpu_flags, probe
 from pipeline.stopwatch import best_seconds
 
 
-def captured_step(engine: Engine, prompts: list[list[int]], steps: int) -> StepBatch:
-    """The batch of the engine's `steps`-th step over `prompts` (all admitted, none finishing)."""
+def captured_step(engine: Engine, prompts: list[list[int]], steps: int, adapters: list[str] = ()) -> StepBatch:
+    """The batch of the engine's `steps`-th step over `prompts` (all admitted, none finishing); with
+    `adapters`, the prompts run them round-robin (the engine's `lora` names them)."""
     for i, p in enumerate(prompts):
-        engine.add_request(Request(i, p, SamplingParams(max_tokens=steps + 64, ignore_eos=True)))
+        adapter = adapters[i % len(adapters)] if adapters else None
+        engine.add_request(Request(i, p, SamplingParams(max_tokens=steps + 64, ignore_eos=True), adapter=adapter))
     seen: list[StepBatch] = []
     execute = engine.runner.execute_greedy  # every row is plain greedy
     engine.runner.execute_greedy = lambda batch: seen.append(batch) or execute(batch)
