@@ -66,6 +66,20 @@ static float quantize_row(const float *y, int64_t k, uint8_t *u)
     return s;
 }
 
+void quantize_rows(const float *x, int64_t m, int64_t k, uint8_t *u, float *scales)
+{
+#pragma omp parallel for if (m * k >= PARALLEL_MIN)
+    for (int64_t r = 0; r < m; r++) {
+        const float *y = x + r * k;
+        __m512 nonfinite = _mm512_setzero_ps(); /* 0 * y: NaN where y is NaN or infinite */
+        for (int64_t c = 0; c < k; c += 16)
+            nonfinite = _mm512_add_ps(nonfinite, _mm512_mul_ps(load(y + c, lanes(k - c)), _mm512_setzero_ps()));
+        scales[r] = quantize_row(y, k, u + r * k);
+        if (_mm512_reduce_add_ps(nonfinite) != 0.0f)
+            scales[r] = NAN;
+    }
+}
+
 /* LoRA deltas, a run of up to LORA_ROWS consecutive rows of one adapter slot at a time: each A^T row and B^T
  * vector loaded once serves all of them (row by row, the pairs' reads from cache bounded the deltas). */
 #define LORA_ROWS 8
@@ -986,6 +1000,11 @@ void lora_delta(const float *x, const float *y, float *out, const int64_t *slots
                 int64_t k, int64_t n, const float *a, const float *b, int64_t rank)
 {
     (void)x, (void)y, (void)out, (void)slots, (void)slotted, (void)rows, (void)k, (void)n, (void)a, (void)b, (void)rank;
+}
+
+void quantize_rows(const float *x, int64_t m, int64_t k, uint8_t *u, float *scales)
+{
+    (void)x, (void)m, (void)k, (void)u, (void)scales;
 }
 
 #endif

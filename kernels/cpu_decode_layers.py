@@ -154,6 +154,21 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.T
     return out
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.w8a8_reference.quantize_rows(x, zero_point=128)` bit for bit (uint8 [M, K], float32 scales
+    [M, 1]; x float32 [M, K] on CPU), in one native pass: the native int8 head's input without a compiled graph
+    (whose build took a second of every process's first step). A row with a NaN or an infinity gets a NaN
+    scale, as the reference's."""
+    library = _library_or_reason()
+    if isinstance(library, str):
+        raise RuntimeError(f"no native decode layers: {library}")
+    x = x.float().contiguous()
+    u = torch.empty(x.shape, dtype=torch.uint8)
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    library.quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], u.data_ptr(), scales.data_ptr())
+    return u, scales
+
+
 @cache
 def _library_or_reason() -> ctypes.CDLL | str:
     """Built and loaded once per process; a failure is remembered too."""
@@ -170,6 +185,8 @@ def _library_or_reason() -> ctypes.CDLL | str:
     library.lora_delta.argtypes = [_pointer, _pointer, _pointer, _pointer, _size, _size, _size, _size, _pointer,
                                    _pointer, _size]
     library.lora_delta.restype = None
+    library.quantize_rows.argtypes = [_pointer, _size, _size, _pointer, _pointer]
+    library.quantize_rows.restype = None
     library.lora_tiles_available.restype = ctypes.c_int
     library.lora_dots_available.restype = ctypes.c_int
     return library

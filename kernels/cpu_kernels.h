@@ -142,8 +142,8 @@ struct step {
     w4a8_fn *gemm_w4;
 };
 
-/* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails, lora_delta is
- * a stub and split_rows is absent. */
+/* Without AVX-512 (BW) at build time, decode_layers_available returns 0, decode_layers fails, lora_delta and
+ * quantize_rows are stubs and split_rows is absent. */
 int decode_layers(const struct layer *layers, int64_t count, const struct step *s, float *x,
                   double *attention_seconds);
 void split_rows(const struct step *s, int threads, int64_t *bounds);
@@ -154,6 +154,10 @@ int splits_by_rows(const struct layer *layer, int64_t rows, int threads);
  * row of slot -1, or past the first `slotted`, copies y): a linear's deltas where the torch layers run it. */
 void lora_delta(const float *x, const float *y, float *out, const int64_t *slots, int64_t slotted, int64_t rows,
                 int64_t k, int64_t n, const float *a, const float *b, int64_t rank);
+/* u [m, k] = round(x / s) + 128 and scales [m] = s = max |x| / 127 per row (1 for an all-zero row): each row of
+ * x [m, k] quantized as the native layers quantize a linear's input, bit for bit
+ * kernels.w8a8_reference.quantize_rows(x, 128); a row with a NaN or an infinity gets a NaN scale. */
+void quantize_rows(const float *x, int64_t m, int64_t k, uint8_t *u, float *scales);
 int decode_layers_available(void);
 /* Whether the LoRA deltas can run on AMX's bfloat16 tiles here (built with AMX-BF16, the CPU has it, Linux
  * grants the tile state): struct linear's lora_a16 and lora_b16 are then read. */

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_w4a8
+from kernels import cpu_decode_layers, cpu_w4a8
 from kernels.argmax import ARGMAX_CHUNK, argmax_by_chunks, chunk_maxima
 from kernels.cpu_quantize import dequantize, quantize_int4, quantize_int8
 from kernels.dispatch import (
@@ -486,7 +486,8 @@ class QuantLMHead(LMHead):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of `forward(hidden)`, without the [rows, vocab] logits (25 MB at 128 rows of SmolLM2)
         where the int8 head runs on CPU: on the native GEMM, each row's best column is kept in the GEMM's own
-        pass (`NativeInt8Weight.argmax`); on the others, the chunk maxima (`kernels.argmax`) are taken from
+        pass (`NativeInt8Weight.argmax`), its input quantized natively where the native layers' library
+        runs (`cpu_decode_layers.quantize_rows`: no compiled graph to build at a process's first step); on the others, the chunk maxima (`kernels.argmax`) are taken from
         the GEMM's outputs in one read pass and only the winning chunks' columns are recomputed."""
         fused = (self.mode == "int8" and hidden.device.type == "cpu" and self.tp.size == 1
                  and (self.columns is not None or hidden.dtype == torch.float32)  # float32 logits in forward
@@ -495,7 +496,8 @@ class QuantLMHead(LMHead):
             return super().greedy(hidden)
         weight = None if self.fast_packed is None else packed_weight(self.fast_packed)
         if isinstance(weight, NativeInt8Weight):
-            u, row_scales = self._greedy_rows(hidden)
+            u, row_scales = (cpu_decode_layers.quantize_rows(self._int8_input(hidden))
+                             if cpu_decode_layers.unavailable_reason() is None else self._greedy_rows(hidden))
             if bool(row_scales.isfinite().all()):  # else NaN logits, where torch's argmax picks the first NaN
                 return weight.argmax(u, self.fast_scales, row_scales, self.vocab_size)
         outputs, row_scales, maxima = self._greedy_outputs(hidden)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_decode_layers, dispatch, vnni_gemm
+from kernels.w8a8_reference import quantize_rows
 from pipeline.engine.adapters import LoraConfig
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
@@ -517,6 +518,27 @@ def test_without_the_native_gemm_or_w8a8_the_model_keeps_its_torch_layers(tiny_m
     assert f"do not run on the {NATIVE} GEMM" in native_decode_reason(plain_gemm) or cpu_decode_layers.unavailable_reason()
     assert "not quantized" in native_decode_reason(load_model(tiny_model_dir).model) or \
         cpu_decode_layers.unavailable_reason()
+
+
+@pytest.mark.parametrize("k", [5, 16, 37, 600])
+def test_native_quantize_rows_gives_the_reference_bits(k):
+    """The int8 head's input quantized natively is quantize_rows(x, 128) bit for bit: values, scales, an
+    all-zero row (scale 1), halves rounded to even; a row with a NaN or an infinity gets a NaN scale."""
+    why = cpu_decode_layers.unavailable_reason()
+    if why:
+        pytest.skip(f"no native decode layers here: {why}")
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-3, 3, 9).unsqueeze(1)
+    x[2] = 0
+    x[3, 0] = 127  # scale 1: the row's other values at halves, rounded to even
+    x[3, 1:] = torch.arange(1, k).remainder(8).float() - 3.5
+    got_u, got_scales = cpu_decode_layers.quantize_rows(x)
+    want_u, want_scales = quantize_rows(x, zero_point=128)
+    assert got_u.dtype == torch.uint8 and got_scales.shape == (9, 1)
+    assert torch.equal(got_u, want_u) and torch.equal(got_scales, want_scales)
+    assert got_scales[2].item() == 1.0
+    x[4, k // 2], x[6, 0] = float("nan"), float("-inf")
+    scales = cpu_decode_layers.quantize_rows(x)[1].reshape(-1)
+    assert scales.isnan().tolist() == [i in (4, 6) for i in range(9)]
 
 
 def test_the_switch_turns_the_native_layers_off(monkeypatch):
