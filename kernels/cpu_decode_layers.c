@@ -122,17 +122,21 @@ static inline __attribute__((always_inline)) void project_rows(const float *x, i
 /* Lanes of a vector that starts `left` values before the end of a row (none at or past it). */
 static inline __mmask16 lanes_left(int64_t left) { return left <= 0 ? 0 : lanes(left); }
 
-/* The ranks [*lo, *hi) of B^T that columns c .. c + 31 need: those of their two bands (a band [2] for each 16
- * columns, as struct linear's lora_band; NULL: all `rank`). */
-static inline void rank_range(const int32_t *band, int64_t c, int64_t cols, int64_t rank, int64_t *lo, int64_t *hi)
+/* The ranks [*lo, *hi) of B^T that the `blocks` blocks of 16 columns from c need (those before `cols`): their
+ * bands' (a band [2] for each 16 columns, as struct linear's lora_band; NULL: all `rank`). */
+static inline void rank_range(const int32_t *band, int64_t c, int64_t cols, int64_t rank, int blocks, int64_t *lo,
+                              int64_t *hi)
 {
     if (!band) {
         *lo = 0, *hi = rank;
         return;
     }
-    const int32_t *b0 = band + c / 16 * 2, *b1 = c + 16 < cols ? b0 + 2 : b0;
-    *lo = b0[0] < b1[0] ? b0[0] : b1[0];
-    *hi = b0[1] > b1[1] ? b0[1] : b1[1];
+    *lo = rank, *hi = 0;
+    for (int q = 0; q < blocks && c + 16 * q < cols; q++) {
+        const int32_t *b = band + (c / 16 + q) * 2;
+        *lo = b[0] < *lo ? b[0] : *lo;
+        *hi = b[1] > *hi ? b[1] : *hi;
+    }
 }
 
 /* out [g, cols] = y [g, cols] + t [g, rank] B^T [rank, cols] (out may be y; rows of y, out and B^T ld_y, ld_out
@@ -150,7 +154,7 @@ static inline __attribute__((always_inline)) void expand_rows(const float *t, in
         for (int i = 0; i < g; i++)
             lo[i] = load(y + i * ld_y + c, m0), hi[i] = load(y + i * ld_y + c + 16, m1);
         int64_t first, end;
-        rank_range(band, c, cols, rank, &first, &end);
+        rank_range(band, c, cols, rank, 2, &first, &end);
         for (int64_t j = first; j < end; j++) {
             const __m512 b0 = load(b + j * ld_b + c, m0), b1 = load(b + j * ld_b + c + 16, m1);
             for (int i = 0; i < g; i++) {
@@ -267,31 +271,39 @@ static inline __attribute__((always_inline)) void project_dot_rows(const uint16_
 }
 
 /* out [g, cols] += tb [g, rank] (bfloat16 projections, rows ld_t apart) B^T [rank, cols] from lora_b16 at the
- * first of the columns (c0's block; bp ranks a block), 32 columns at a time over the pairs of ranks their
- * bands need (band: c0's; NULL: all). A last block of 16 columns reads its B^T twice (the second's sums
- * masked off), not past it. g as in project_rows. */
+ * first of the columns (c0's block; bp ranks a block), 48 columns at a time (an int8 GEMM panel's, NR: three
+ * vectors a row) over the pairs of ranks their bands need (band: c0's; NULL: all). A block past the last
+ * column reads the block before's B^T again (its sums masked off), not past it. g as in project_rows. */
 static inline __attribute__((always_inline)) void expand_dot_rows(const uint16_t *tb, int64_t ld_t, const uint16_t *b,
                                                                   int64_t bp, const int32_t *band, int64_t rank,
                                                                   int64_t cols, float *out, int64_t ld, const int g)
 {
-    for (int64_t c = 0; c < cols; c += 32) {
-        const __mmask16 m0 = lanes_left(cols - c), m1 = lanes_left(cols - c - 16);
-        const uint16_t *b0 = b + c / 16 * bp * 16, *b1 = m1 ? b0 + bp * 16 : b0;
-        __m512 lo[LORA_ROWS], hi[LORA_ROWS];
-        for (int i = 0; i < g; i++)
-            lo[i] = load(out + i * ld + c, m0), hi[i] = load(out + i * ld + c + 16, m1);
+    for (int64_t c = 0; c < cols; c += 48) {
+        const __mmask16 m0 = lanes_left(cols - c), m1 = lanes_left(cols - c - 16), m2 = lanes_left(cols - c - 32);
+        const uint16_t *b0 = b + c / 16 * bp * 16, *b1 = m1 ? b0 + bp * 16 : b0, *b2 = m2 ? b1 + bp * 16 : b1;
+        __m512 s0[LORA_ROWS], s1[LORA_ROWS], s2[LORA_ROWS];
+        for (int i = 0; i < g; i++) {
+            s0[i] = load(out + i * ld + c, m0);
+            s1[i] = load(out + i * ld + c + 16, m1);
+            s2[i] = load(out + i * ld + c + 32, m2);
+        }
         int64_t first, end;
-        rank_range(band, c, cols, rank, &first, &end);
+        rank_range(band, c, cols, rank, 3, &first, &end);
         for (int64_t j = first / 2 * 2; j < end; j += 2) { /* a pair past `end`: B^T's zeros (up to bp) */
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(b0 + j * 16), v1 = (__m512bh)_mm512_loadu_si512(b1 + j * 16);
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(b0 + j * 16), v1 = (__m512bh)_mm512_loadu_si512(b1 + j * 16),
+                           v2 = (__m512bh)_mm512_loadu_si512(b2 + j * 16);
             for (int i = 0; i < g; i++) {
                 const __m512bh tj = pair(tb + i * ld_t + j);
-                lo[i] = _mm512_dpbf16_ps(lo[i], tj, v0);
-                hi[i] = _mm512_dpbf16_ps(hi[i], tj, v1);
+                s0[i] = _mm512_dpbf16_ps(s0[i], tj, v0);
+                s1[i] = _mm512_dpbf16_ps(s1[i], tj, v1);
+                s2[i] = _mm512_dpbf16_ps(s2[i], tj, v2);
             }
         }
-        for (int i = 0; i < g; i++)
-            store(out + i * ld + c, m0, lo[i]), store(out + i * ld + c + 16, m1, hi[i]);
+        for (int i = 0; i < g; i++) {
+            store(out + i * ld + c, m0, s0[i]);
+            store(out + i * ld + c + 16, m1, s1[i]);
+            store(out + i * ld + c + 32, m2, s2[i]);
+        }
     }
 }
 
@@ -324,6 +336,20 @@ static void expand_dots(const struct linear *l, const struct step *s, int64_t r,
 #define EXPAND(G) expand_dot_rows(s->lora_x16 + r * xs, xs, b, bp, band, rank, cols, out, ld, G)
     BY_ROWS(EXPAND, g)
 #undef EXPAND
+}
+
+/* The B^T that the row tile from `next` will read in these columns, fetched into L1 now: between two tiles'
+ * hooks the GEMM streams its weight panel through L1, so expand_dots met its B^T there cold each time (on a
+ * Zen 4, SmolLM2 at 256 rows over 8 adapters: a quarter of its samples on those loads; the deltas' samples
+ * 0.20 -> 0.18 of the GEMMs'). Not the tile's projections: fetching them too cost more than it saved. */
+static void prefetch_next_tile(const struct linear *l, const struct step *s, int64_t next, int64_t c0, int64_t cols)
+{
+    if (next >= s->rows || s->lora_slots[next] < 0)
+        return;
+    const int64_t bp = round_up(l->lora_rank, 16), col_blocks = (l->n + 15) / 16;
+    const char *b = (const char *)(l->lora_b16 + (s->lora_slots[next] * col_blocks + c0 / 16) * bp * 16);
+    for (int64_t i = 0; i < (cols + 15) / 16 * bp * 32; i += 64)
+        _mm_prefetch(b + i, _MM_HINT_T0);
 }
 #endif
 
@@ -637,6 +663,10 @@ static void lora_tile(const void *context, int64_t r0, int64_t rows, int64_t c0,
     for (int64_t lo = r0; lo < r0 + rows; lo += LORA_ROWS)
         add_deltas(c->l, c->s, lo, lo + LORA_ROWS < r0 + rows ? lo + LORA_ROWS : r0 + rows, c0, cols,
                    tile + (lo - r0) * ld, ld);
+#ifdef HAVE_LORA_BF16
+    if (c->l->lora_a16)
+        prefetch_next_tile(c->l, c->s, r0 + rows, c0, cols);
+#endif
 }
 
 /* Whether any row of the step runs an adapter on l. */
